@@ -1,0 +1,219 @@
+"""Paged KV memory: a pool of fixed-size blocks, per-request block tables, prefix caching.
+
+No torch here: this module only does bookkeeping of block ids. It answers "can't" with None
+and leaves the decision (wait, preempt) to the scheduler.
+
+* Free queue: an insertion-ordered dict of free block ids. The head is taken first, so it is
+  also the eviction order of cached blocks (LRU). Freed blocks that hold a cached prefix go to
+  the tail (evicted last); freed blocks without a hash go to the head (reused first, since
+  nobody can hit them).
+* Prefix cache: a full block is keyed by sha256(parent key, its token ids, cache salt). A hit
+  is confirmed by comparing token ids. A request's blocks are freed last-block-first, so its
+  longest prefixes are evicted before the shared beginnings.
+* Copy-on-write: forks share blocks by ref count; before a sequence writes into a shared,
+  partially filled block, that block is copied into a fresh one (the copy is returned for the
+  model runner to perform).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # kept to confirm cache hits (collision guard)
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
+    h = hashlib.sha256(parent or b"root")
+    h.update(array("q", token_ids).tobytes())
+    if salt:
+        h.update(b"salt:" + salt.encode())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # chained keys of each request's full blocks
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full: int,
+                       salt: str | None) -> list[bytes]:
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt))
+        return hashes
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            salt: str | None = None) -> list[int]:
+        """Cached blocks holding a prefix of token_ids. Never the whole prompt: the last token
+        is always left to compute, so there are logits to sample from."""
+        if not self.enable_caching:
+            return []
+        num_full = (len(token_ids) - 1) // self.block_size
+        hashes = self._extend_hashes(request_id, token_ids, num_full, salt)
+        hits: list[int] = []
+        bs = self.block_size
+        for i in range(num_full):
+            bid = self.cached.get(hashes[i])
+            if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(bid)
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _take_free(self) -> int:
+        bid, _ = self.free_queue.popitem(last=False)
+        blk = self.blocks[bid]
+        if blk.block_hash is not None:  # evict its cached prefix
+            if self.cached.get(blk.block_hash) == bid:
+                del self.cached[blk.block_hash]
+            blk.block_hash = None
+            blk.token_ids = None
+        blk.ref_cnt = 1
+        return bid
+
+    def _touch(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_cnt == 0:
+            del self.free_queue[bid]
+        blk.ref_cnt += 1
+
+    def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                       num_new: int, computed_blocks: Sequence[int] = (), num_lookahead: int = 0,
+                       salt: str | None = None, reserve_free: int = 0
+                       ) -> list[tuple[int, int]] | None:
+        """Make room for num_new tokens after num_computed (which includes computed_blocks, the
+        prefix-cache hits of a newly admitted request). Returns the (src, dst) block copies the
+        model runner must do first (copy-on-write), or None if the pool cannot serve it while
+        keeping reserve_free blocks free. On None nothing has changed."""
+        bs = self.block_size
+        table = self.tables.get(request_id, [])
+        total = num_computed + num_new + num_lookahead
+        n_have = len(table) + len(computed_blocks)
+        n_new_blocks = max(0, self.blocks_needed(total) - n_have)
+        # copy-on-write: writing into a shared, partially filled last block
+        cow_idx = -1
+        if num_new > 0 and num_computed % bs and num_computed // bs < len(table):
+            idx = num_computed // bs
+            if self.blocks[table[idx]].ref_cnt > 1:
+                cow_idx = idx
+                n_new_blocks += 1
+        n_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        if n_new_blocks + n_revived > self.num_free_blocks - reserve_free:
+            return None
+
+        table = self.tables.setdefault(request_id, table)
+        for bid in computed_blocks:
+            self._touch(bid)
+            table.append(bid)
+        copies: list[tuple[int, int]] = []
+        if cow_idx >= 0:
+            src = table[cow_idx]
+            dst = self._take_free()
+            self.blocks[src].ref_cnt -= 1
+            table[cow_idx] = dst
+            copies.append((src, dst))
+            n_new_blocks -= 1
+        for _ in range(n_new_blocks):
+            table.append(self._take_free())
+        if self.enable_caching:
+            self._cache_full_blocks(request_id, token_ids, num_computed + num_new, salt)
+        return copies
+
+    def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+                           salt: str | None) -> None:
+        bs = self.block_size
+        num_full = min(num_tokens, len(token_ids)) // bs
+        hashes = self._extend_hashes(request_id, token_ids, num_full, salt)
+        table = self.tables[request_id]
+        for i in range(self._num_registered.get(request_id, 0), num_full):
+            blk = self.blocks[table[i]]
+            if blk.block_hash is not None:
+                continue
+            blk.block_hash = hashes[i]
+            blk.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
+            # a block with the same content computed concurrently keeps the first mapping
+            self.cached.setdefault(hashes[i], blk.block_id)
+        self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares all the parent's blocks (copy-on-write on the partial one)."""
+        if child_id in self.tables:
+            raise ValueError(f"request {child_id!r} already has blocks")
+        table = list(self.tables.get(parent_id, []))
+        for bid in table:
+            self.blocks[bid].ref_cnt += 1
+        self.tables[child_id] = table
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, last block first (longest prefixes are evicted first)."""
+        table = self.tables.pop(request_id, [])
+        self._hashes.pop(request_id, None)
+        self._num_registered.pop(request_id, None)
+        for bid in reversed(table):
+            blk = self.blocks[bid]
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                self.free_queue[bid] = None
+                if blk.block_hash is None:
+                    self.free_queue.move_to_end(bid, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        for bid in self.free_queue:
+            blk = self.blocks[bid]
+            blk.block_hash = None
+            blk.token_ids = None
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_cnt > 0}
+
+    def filled_slots(self, num_computed: dict[str, int]) -> int:
+        """Token slots holding live KV in used blocks (a shared block counts once)."""
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for rid, n in num_computed.items():
+            for i, bid in enumerate(self.tables.get(rid, [])):
+                k = min(bs, max(0, n - i * bs))
+                if k > filled.get(bid, 0):
+                    filled[bid] = k
+        return sum(filled.values())

@@ -1,0 +1,81 @@
+"""Engine configuration: every option of `LLM(...)`, validated in one place."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2GiB", "80GB", "1.5e9"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot parse memory size {value!r} (try '512MiB', '2GiB' or bytes)")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ConfigError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default 2GiB when nothing is set
+    num_kv_blocks: int | None = None
+    memory_utilization: float | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "reserve": reserve prompt+max_tokens, never preempt
+    watermark: float = 0.01  # fraction of blocks admission keeps free
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ConfigError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.memory_utilization is not None and not 0 < self.memory_utilization <= 1:
+            raise ConfigError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.preemption_mode not in ("recompute", "reserve"):
+            raise ConfigError(f"preemption_mode must be 'recompute' or 'reserve', got {self.preemption_mode!r}")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            # without chunking a whole prompt must fit in one step
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)

@@ -1,0 +1,345 @@
+"""LLMEngine: requests in, one scheduling + model step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, parse_size
+from .errors import ConfigError, InvalidRequestError
+from .kv_cache import KVCache
+from .loader import load_model
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .request import Request, RequestStatus
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("pagedllm")
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    kv_usage: float
+    kv_utilization: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    peak_kv_blocks_used: int
+    peak_num_running: int
+    num_steps: int
+    block_size: int
+    kv_bytes_per_block: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Group:
+    """One user request: n sequences sharing a prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer | None]
+    texts: list[str] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.monotonic()
+        loaded = load_model(config.model, config.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        mc = loaded.config
+        model_dtype = loaded.model.embed_tokens.weight.dtype
+        kv_dtype, cache_cls = self._kv_storage(config.kv_cache_dtype, model_dtype)
+        bs = config.block_size
+        bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)
+        bytes_per_block = bytes_per_token * bs
+        num_blocks = self._num_blocks(config, bytes_per_block)
+        model_max = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_max})")
+        max_len = config.max_model_len or model_max
+        if num_blocks * bs < max_len:
+            if config.max_model_len is not None:
+                raise ConfigError(
+                    f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
+                    f"max_model_len={max_len} request; raise kv_cache_memory/num_kv_blocks or lower max_model_len")
+            max_len = num_blocks * bs
+            log.warning("max_model_len capped to %d tokens: all the KV pool holds", max_len)
+        self.max_model_len = max_len
+        self.kv_bytes_per_token = bytes_per_token
+        self.bytes_per_block = bytes_per_block
+        log.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dim x %s), %d blocks x %d tokens "
+                 "= %d tokens in %.1f MiB", bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                 config.kv_cache_dtype, num_blocks, bs, num_blocks * bs, num_blocks * bytes_per_block / 2**20)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_len, config.enable_chunked_prefill, config.preemption_mode,
+                                   config.watermark)
+        self.runner = ModelRunner(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
+        self.sampler = Sampler(config.seed)
+        self.groups: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        eos = mc.eos_token_id
+        self.eos_token_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        log.info("engine ready in %.1f s", time.monotonic() - t0)
+
+    # ---- setup helpers -------------------------------------------------------------------
+    @staticmethod
+    def _kv_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, type]:
+        if kv_cache_dtype == "auto":
+            return model_dtype, KVCache
+        if kv_cache_dtype in _TORCH_DTYPES:
+            return _TORCH_DTYPES[kv_cache_dtype], KVCache
+        from .kv_quant import FP8KVCache
+
+        return FP8KVCache.storage_dtype(kv_cache_dtype), FP8KVCache
+
+    @staticmethod
+    def _num_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory is not None:
+            budget = parse_size(config.kv_cache_memory)
+        elif config.memory_utilization is not None:
+            budget = int(available_memory_bytes() * config.memory_utilization)
+        else:
+            budget = DEFAULT_KV_CACHE_MEMORY
+        n = budget // bytes_per_block
+        if n < 1:
+            raise ConfigError(f"KV budget of {budget} bytes is smaller than one block ({bytes_per_block} bytes)")
+        return n
+
+    # ---- requests ------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
+            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(list(prompt))
+        raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _check_ids(self, ids: list) -> list[int]:
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        return list(ids)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Validate and queue a request. Raises InvalidRequestError; nothing else is touched."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                      "(room must be left for at least one output token)")
+        if params.max_tokens is None:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        seqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else params.clone_for_child(i)
+            seqs.append(Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, p,
+                                priority=priority, cache_salt=cache_salt, group_id=request_id, index=i))
+        leader = seqs[0]
+        leader.pending_forks = seqs[1:]
+        self.scheduler.add_request(leader)  # raises if it can never fit; nothing is queued then
+        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+                  for _ in seqs]
+        self.groups[request_id] = _Group(request_id, text, ids, params, seqs, detoks, [""] * len(seqs))
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output (or None if unknown)."""
+        g = self.groups.get(str(request_id))
+        if g is None:
+            return None
+        for seq in g.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return self._finalize_if_done(g)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        self.num_steps += 1
+        res = self.runner.execute(sched, self.block_manager.tables)
+        # a leader finishing its prompt also samples the first token of each of its forks
+        reqs, rows = [], []
+        for i, r in enumerate(res.requests):
+            for seq in [r, *r.pending_forks]:
+                reqs.append(seq)
+                rows.append(i)
+        samples = self.sampler.sample(res.logits, reqs, rows, self.eos_token_ids)
+        by_id = {seq.request_id: s for seq, s in zip(reqs, samples)}
+        self.scheduler.update(sched, {r.request_id: by_id[r.request_id].token_id for r in res.requests})
+        for r in res.requests:
+            for child in r.pending_forks:
+                self.scheduler.fork(r, child)
+                child.output_token_ids.append(by_id[child.request_id].token_id)
+                self.scheduler.counters.generation_tokens += 1
+            r.pending_forks = []
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for seq in reqs:
+            if seq.is_finished:
+                continue
+            s = by_id[seq.request_id]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.params.logprobs is not None:
+                seq.cumulative_logprob += s.logprob
+                seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.id_to_token(t) if self.tokenizer else None)
+                                     for t, lp, rank in s.top})
+            g = self.groups[seq.group_id]
+            self._check_stop(g, seq)
+            touched[g.request_id] = g
+        outs = []
+        for g in touched.values():
+            out = self._finalize_if_done(g) or self._output(g)
+            outs.append(out)
+        return outs
+
+    def _check_stop(self, g: _Group, seq: Request) -> None:
+        tok = seq.output_token_ids[-1]
+        p = seq.params
+        n_out = len(seq.output_token_ids)
+        detok = g.detoks[seq.index]
+        if detok is not None:
+            delta = detok.add(tok)
+            if p.stop and delta:
+                text = detok.text
+                longest = max(map(len, p.stop))
+                window_start = max(0, len(text) - len(delta) - longest + 1)
+                hits = [(text.find(st, window_start), st) for st in p.stop]
+                hits = [(i, st) for i, st in hits if i >= 0]
+                if hits:
+                    i, st = min(hits)
+                    g.texts[seq.index] = text[:i + len(st)] if p.include_stop_str_in_output else text[:i]
+                    return self._finish(seq, RequestStatus.FINISHED_STOPPED, st)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                return self._finish(seq, RequestStatus.FINISHED_STOPPED, None)
+            if tok in p.stop_token_ids:
+                return self._finish(seq, RequestStatus.FINISHED_STOPPED, tok)
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, RequestStatus.FINISHED_LENGTH, None)
+        if detok is not None:
+            hold = max(map(len, p.stop), default=1) - 1  # a stop string may still be completing
+            g.texts[seq.index] = detok.text[:len(detok.text) - hold] if hold else detok.text
+
+    def _finish(self, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
+        g = self.groups[seq.group_id]
+        detok = g.detoks[seq.index]
+        if detok is not None and not isinstance(reason, str):
+            detok.flush()
+            g.texts[seq.index] = detok.text
+        seq.stop_reason = reason
+        self.scheduler.finish(seq, status)
+        self.sampler.forget(seq.request_id)
+
+    def _output(self, g: _Group) -> RequestOutput:
+        comps = []
+        for seq, text in zip(g.seqs, g.texts):
+            comps.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.status.value if seq.is_finished else None,
+                stop_reason=seq.stop_reason))
+        leader = g.seqs[0]
+        finished = all(s.is_finished for s in g.seqs)
+        metrics = {"arrival_time": leader.arrival_time, "first_scheduled_time": leader.first_scheduled_time,
+                   "first_token_time": leader.first_token_time,
+                   "finished_time": max((s.finished_time or 0) for s in g.seqs) if finished else None,
+                   "num_preemptions": sum(s.num_preemptions for s in g.seqs)}
+        return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, comps, finished,
+                             leader.num_cached_tokens, metrics)
+
+    def _finalize_if_done(self, g: _Group) -> RequestOutput | None:
+        if not all(s.is_finished for s in g.seqs):
+            return None
+        for seq in g.seqs:
+            self.sampler.forget(seq.request_id)
+        del self.groups[g.request_id]
+        return self._output(g)
+
+    # ---- introspection -------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm, sc = self.block_manager, self.scheduler
+        used = bm.num_used_blocks
+        filled = bm.filled_slots({r.request_id: r.num_computed_tokens for r in sc.running})
+        c = sc.counters
+        return EngineStats(
+            num_running=len(sc.running), num_waiting=len(sc.waiting), kv_blocks_total=bm.num_blocks,
+            kv_blocks_used=used, kv_blocks_cached_free=bm.num_cached_free_blocks,
+            kv_usage=used / bm.num_blocks, kv_utilization=filled / (used * bm.block_size) if used else 0.0,
+            prefix_cache_queries=c.prefix_cache_queries, prefix_cache_hits=c.prefix_cache_hits,
+            num_preemptions=c.num_preemptions, prompt_tokens=c.prompt_tokens,
+            generation_tokens=c.generation_tokens, peak_kv_blocks_used=c.peak_kv_blocks_used,
+            peak_num_running=c.peak_num_running, num_steps=self.num_steps, block_size=bm.block_size,
+            kv_bytes_per_block=self.bytes_per_block)

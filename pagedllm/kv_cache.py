@@ -1,0 +1,40 @@
+"""The KV pool of one layer, in the compute dtype or compact (FP8 with scales)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K and V pools `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    lossy = False
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # torch.empty: pages are only touched (committed) when written
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self.compute_dtype = compute_dtype
+        self.block_size = block_size
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, KVH, D] written to flat slots [T]."""
+        self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v.to(self.v.dtype))
+
+    def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_tables: [B, nb] -> k, v: [B, nb * block_size, KVH, D] in the compute dtype."""
+        b, nb = block_tables.shape
+        k = self.k[block_tables].view(b, nb * self.block_size, *self.k.shape[2:])
+        v = self.v[block_tables].view(b, nb * self.block_size, *self.v.shape[2:])
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+    @staticmethod
+    def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,75 @@
+"""Tensors for one step: flat inputs, slot mapping, block tables; runs the model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSeq, build_decode_mask, build_mask
+from .kv_cache import KVCache
+from .models.llama import LlamaForCausalLM
+from .request import Request
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [R, vocab] fp32: one row per request that samples this step
+    requests: list[Request]  # the requests of those rows, in order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype, cache_factory=KVCache) -> None:  # noqa: ANN001
+        self.model = model
+        self.block_size = block_size
+        cfg = model.cfg
+        self.dtype = model.embed_tokens.weight.dtype
+        self.sliding_window = cfg.sliding_window
+        self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)
+                       for _ in range(cfg.num_layers)]
+
+    def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]]) -> StepResult:
+        for src, dst in sched.copies:  # copy-on-write before anything writes
+            for c in self.caches:
+                c.copy_block(src, dst)
+        bs = self.block_size
+        # single-token sequences first: they are batched in attention
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Request] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for s in order:
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            table = tables[req.request_id]
+            q_start = len(ids)
+            ids.extend(req.tokens_slice(start, start + n))
+            pos.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            ctx = start + n
+            nb = -(-ctx // bs)
+            if n == 1:
+                dec_tables.append(table[:nb])
+                dec_lens.append(ctx)
+            else:
+                prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
+                                           build_mask(n, ctx, self.sliding_window)))
+            if s.completes:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(req)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(dec_tables), prefills=prefills)
+        if dec_tables:
+            width = max(len(t) for t in dec_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
+            meta.decode_mask = build_decode_mask(dec_lens, width * bs, self.sliding_window)
+        logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
+                            torch.tensor(logits_rows, dtype=torch.long))
+        return StepResult(logits, sampled)

@@ -1,0 +1,3 @@
+from .llama import LlamaForCausalLM, ModelConfig
+
+__all__ = ["LlamaForCausalLM", "ModelConfig"]

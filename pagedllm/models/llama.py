@@ -1,0 +1,216 @@
+"""The Llama family in one implementation: Llama 2/3 (llama3 rope scaling), Mistral (sliding
+window), Qwen2 (q/k/v bias), SmolLM. GQA; tied or untied embeddings.
+
+The model works on a flat batch: all scheduled tokens of all sequences in one `[num_tokens]`
+row, so every linear layer runs once per step; only attention looks at sequence boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention
+from ..errors import ModelLoadError
+from ..kv_cache import KVCache
+
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}")
+        rope_params = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or rope_params or None
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        heads = cfg["num_attention_heads"]
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            sliding_window=window,
+            architecture=arch,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv_freq
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    if kind == "llama3":
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s.get("original_max_position_embeddings", 8192)
+        lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
+        k = k * cos + rotate_half(k) * sin
+        a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
+        x = x + self.o_proj(a.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._rope_len = 0
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self._rope_len:  # tables grow on demand, computed in fp32 as HF does
+            n = max(need, min(self.cfg.max_position_embeddings, 4096))
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.cfg))
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+            self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        cos = self._cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self._sin[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self._rope(positions, x.dtype)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        x = self.norm(x[logits_indices])  # only the rows we sample from reach the lm_head
+        return self.lm_head(x).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (model.layers.N.self_attn.q_proj.weight ...), fusing q/k/v
+        and gate/up into one matmul each."""
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ModelLoadError(f"weight {name!r} missing from the checkpoint")
+            return sd[name]
+
+        dtype = self.embed_tokens.weight.dtype
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["model.embed_tokens.weight"]))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a, m = p + "self_attn.", p + "mlp."
+                layer.qkv_proj.weight.copy_(torch.cat(
+                    [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]))
+                if layer.qkv_proj.bias is not None:
+                    layer.qkv_proj.bias.copy_(torch.cat(
+                        [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]))
+                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
+                if layer.o_proj.bias is not None:
+                    layer.o_proj.bias.copy_(take(a + "o_proj.bias"))
+                layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+                layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
+                if layer.gate_up_proj.bias is not None:
+                    layer.gate_up_proj.bias.copy_(torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]))
+                    layer.down_proj.bias.copy_(take(m + "down_proj.bias"))
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        self.to(dtype)

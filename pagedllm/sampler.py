@@ -1,0 +1,101 @@
+"""Turn logits into tokens: penalties, min_tokens, greedy or temperature / top-k / top-p /
+min-p sampling with per-request generators, and top-k logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float, int]]  # (token id, logprob, rank) of the requested top-k + sampled
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self._req_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._req_generators.pop(request_id, None)
+
+    def _gen(self, req: Request) -> torch.Generator:
+        if req.params.seed is None:
+            return self.generator
+        g = self._req_generators.get(req.request_id)
+        if g is None:
+            g = self._req_generators[req.request_id] = torch.Generator().manual_seed(req.params.seed)
+        return g
+
+    def sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
+               eos_ids: set[int]) -> list[SampleResult]:
+        """logits: [R, V] fp32; the i-th request samples from row rows[i]."""
+        logits = logits[torch.tensor(rows)] if rows != list(range(len(rows))) else logits.clone()
+        raw = logits.clone() if any(r.params.logprobs is not None for r in reqs) else None
+        for i, req in enumerate(reqs):
+            self._process(logits[i], req, eos_ids)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        out_ids = [0] * len(reqs)
+        if greedy:
+            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+                out_ids[i] = t
+        for i, req in enumerate(reqs):
+            if not req.params.greedy:
+                out_ids[i] = self._sample_row(logits[i], req)
+        results = []
+        logp = torch.log_softmax(raw, -1) if raw is not None else None
+        for i, req in enumerate(reqs):
+            tok = out_ids[i]
+            if logp is None:
+                results.append(SampleResult(tok, 0.0, []))
+                continue
+            row = logp[i]
+            lp = float(row[tok])
+            top: list[tuple[int, float, int]] = []
+            k = req.params.logprobs or 0
+            if k:
+                vals, idx = row.topk(k)
+                top = [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(vals, idx))]
+            if all(t != tok for t, _, _ in top):
+                top.insert(0, (tok, lp, int((row > lp).sum()) + 1))
+            results.append(SampleResult(tok, lp, top))
+        return results
+
+    @staticmethod
+    def _process(row: torch.Tensor, req: Request, eos_ids: set[int]) -> None:
+        """In place on one row of logits [V]."""
+        p = req.params
+        out = req.output_token_ids
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(out)), dtype=torch.long)
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.tensor(out).unique(return_counts=True)
+            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+        if len(out) < p.min_tokens:
+            banned = [t for t in ({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids)
+                      if 0 <= t < row.shape[0]]
+            if banned:
+                row[banned] = float("-inf")
+
+    def _sample_row(self, row: torch.Tensor, req: Request) -> int:
+        p = req.params
+        row = row / p.temperature
+        if p.top_k and p.top_k < row.shape[0]:
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, -1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sp, si = probs.sort(descending=True)
+            keep = sp.cumsum(-1) - sp < p.top_p  # always keeps the most likely token
+            probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+        return int(torch.multinomial(probs, 1, generator=self._gen(req)))

@@ -1,0 +1,186 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+Built on the `tokenizers` library: from a folder's tokenizer.json, or from a GGUF file's
+vocabulary and merges (byte-level BPE). Chat templates render with a sandboxed jinja2.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from .errors import InvalidRequestError
+
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _token_str(t: Any) -> str | None:
+    if t is None or isinstance(t, str):
+        return t
+    if isinstance(t, dict):
+        return t.get("content")
+    return None
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, bos_token: str | None = None, eos_token: str | None = None,
+                 chat_template: str | None = None, add_bos: bool = False,
+                 extra_eos_ids: list[int] | None = None) -> None:
+        self.tok = tok
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tok.token_to_id(eos_token) if eos_token else None
+        self.chat_template = chat_template
+        self.add_bos = add_bos
+        self.eos_token_ids = {i for i in [self.eos_token_id, *(extra_eos_ids or [])] if i is not None}
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: Path, eos_ids: list[int] | None = None) -> Tokenizer | None:
+        tj = path / "tokenizer.json"
+        if not tj.exists():
+            return None
+        tok = HFTokenizer.from_file(str(tj))
+        cfg: dict = {}
+        if (path / "tokenizer_config.json").exists():
+            cfg = json.loads((path / "tokenizer_config.json").read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        return cls(tok, _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token")), template,
+                   add_bos=False, extra_eos_ids=eos_ids)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
+        """meta: the tokenizer.ggml.* fields of a GGUF file (byte-level BPE, 'gpt2')."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+                 for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                     end_of_word_suffix="", fuse_unk=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, types) if ty == GGUF_CONTROL and set(t) <= alphabet])
+        tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == GGUF_USER_DEFINED and t in vocab])
+
+        def name(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        return cls(tok, name("bos_token_id"), name("eos_token_id"), meta.get("tokenizer.chat_template"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    def save(self, path: Path) -> None:
+        self.tok.save(str(path / "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+               "add_bos_token": self.add_bos}
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+    # ---- use -----------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs: Any) -> str:
+        template = chat_template or self.chat_template
+        if not template:
+            raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
+        if chat_template is None and self._template is None:
+            self._template = _compile(template)
+        compiled = self._template if chat_template is None else _compile(template)
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(f"chat template failed: {e}") from e
+
+
+def _raise(msg: str) -> None:
+    raise jinja2.TemplateError(msg)
+
+
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token list, one token at a time. A chunk of text is released only
+    when it ends on a whole character, so multi-byte UTF-8 split across tokens never shows as
+    a replacement character; the concatenation equals decoding the whole list at once."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.tokens: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.tokens.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.tokens[self.prefix_offset:self.read_offset], self.skip)
+        full = dec(self.tokens[self.prefix_offset:], self.skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: whatever bytes are still pending (possibly incomplete UTF-8)."""
+        prefix = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tokenizer.decode(self.tokens[self.prefix_offset:], self.skip)
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        self.text += delta
+        return delta
