@@ -1,0 +1,52 @@
+"""Tiny random HF models (the oracle) saved as folders our engine loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            initializer_range=0.15, rms_norm_eps=1e-6)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48, head_dim=24)),
+}
+
+
+def make_tiny_model(arch: str, path, seed: int = 0):  # noqa: ANN001, ANN201
+    import transformers
+
+    cfg_cls, model_cls, extra = ARCHS[arch]
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):  # noqa: ANN001, ANN201
+    """arch -> (folder, HF model)."""
+    out = {}
+    for arch in ARCHS:
+        path = tmp_path_factory.mktemp(arch)
+        out[arch] = (str(path), make_tiny_model(arch, path))
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models):  # noqa: ANN001, ANN201
+    return tiny_models["llama"][0]
+
+
+@pytest.fixture(scope="session")
+def smollm():  # noqa: ANN201
+    from pagedllm import LLM
+
+    return LLM(max_model_len=2048, kv_cache_memory="512MiB")
