@@ -75,8 +75,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from .engine import LLMEngine
     from .config import EngineConfig
+    from .engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     tok = engine.tokenizer

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import LLMEngine
 from pagedllm.config import EngineConfig
-from pagedllm.scheduler import SchedulerOutput, ScheduledRequest
+from pagedllm.engine import LLMEngine
 from pagedllm.request import Request
+from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
 
 ARCHS = ["llama", "llama3-rope", "qwen2", "mistral"]
 PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]

@@ -1,0 +1,42 @@
+"""The embedded SmolLM2-135M-Instruct answers from the API and the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from pagedllm import SamplingParams
+
+
+def test_chat_knows_paris(smollm):  # noqa: ANN001
+    out = smollm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"  # ended at <|im_end|>
+
+
+def test_generate_text_and_token_prompts(smollm):  # noqa: ANN001
+    outs = smollm.generate(["The capital of France is", {"prompt_token_ids": [1, 2, 3]}],
+                           SamplingParams(temperature=0.0, max_tokens=8))
+    assert "Paris" in outs[0].outputs[0].text
+    assert len(outs[1].outputs[0].token_ids) <= 8
+    tok = smollm.get_tokenizer()
+    for o in outs:
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
+
+
+def test_cli_generate_and_chat():
+    gen = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "The capital of France is",
+                          "--max-tokens", "8", "--max-model-len", "512"], capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    assert "Paris" in gen.stdout
+    chat = subprocess.run([sys.executable, "-m", "pagedllm.cli", "chat", "--max-tokens", "32", "--max-model-len", "512"],
+                          input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    assert "Paris" in chat.stdout
+
+
+def test_cli_reports_bad_input_cleanly():
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--max-tokens", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
