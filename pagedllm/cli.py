@@ -117,6 +117,53 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .planner import format_plan, load_shape, plan
+
+    shape = load_shape(args.model, args.preset)
+    p = plan(shape, args.memory, args.kv_dtype, args.block_size, args.max_model_len, args.weights_memory,
+             args.activation_memory, args.mean_prompt, args.mean_output, concurrency=args.concurrency)
+    print(json.dumps(p.to_dict(), indent=1) if args.json else format_plan(p))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from .config import parse_size
+    from .planner import kv_bytes_per_token, load_shape
+    from .simulate import generate_trace, load_trace, plot, simulate_paged, simulate_static
+
+    shape = load_shape(args.model, args.preset)
+    bpt = kv_bytes_per_token(shape, args.kv_dtype)
+    capacity = parse_size(args.kv_memory) // bpt
+    max_len = args.max_model_len or shape.max_model_len
+    trace = load_trace(args.trace) if args.trace else generate_trace(args.num_requests, args.seed, args.rate, max_len)
+    static, paged = simulate_static(trace, capacity), simulate_paged(trace, capacity, args.block_size)
+    report = {"config": {"model": shape.name, "kv_bytes_per_token": bpt, "kv_memory": args.kv_memory,
+                         "capacity_tokens": capacity, "block_size": args.block_size, "num_requests": len(trace),
+                         "seed": args.seed, "trace": args.trace},
+              "static": static.summary(), "paged": paged.summary()}
+    print(f"{shape.name}: KV capacity {capacity:,} tokens ({args.kv_memory}, {bpt:,} B/token), {len(trace)} requests")
+    print(f"{'':28}{'static':>12}{'paged':>12}")
+    for key in ("completed", "refused", "refused_fragmentation", "preemptions", "peak_concurrency",
+                "mean_concurrency", "mean_utilization"):
+        a, b = report["static"][key], report["paged"][key]
+        fmt = (lambda x: f"{x:>12.1%}") if key == "mean_utilization" else \
+            (lambda x: f"{x:>12.1f}") if isinstance(a, float) else (lambda x: f"{x:>12}")
+        print(f"{key:28}{fmt(a)}{fmt(b)}")
+    for e in static.events[:3]:
+        print("static:", e)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot(static, paged, bpt, args.plot, f"{shape.name}, {args.kv_memory} of KV, {len(trace)} requests")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup (KV arithmetic, timing)")
@@ -134,6 +181,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    def model_args(x: argparse.ArgumentParser) -> None:
+        m = x.add_mutually_exclusive_group()
+        m.add_argument("--model", default=None, help="HF folder, .gguf file or config.json (default: SmolLM2-135M)")
+        m.add_argument("--preset", default=None, help="seed-7b | seed-13b | smollm2-135m")
+        x.add_argument("--kv-dtype", default="float16",
+                       choices=["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+        x.add_argument("--block-size", type=int, default=16)
+        x.add_argument("--max-model-len", type=int, default=None)
+        x.add_argument("--json", nargs="?", const=True, default=None)
+
+    pl = sub.add_parser("plan", help="capacity planner: KV arithmetic, static vs paged concurrency")
+    model_args(pl)
+    pl.add_argument("--memory", default="80GB", help="device memory")
+    pl.add_argument("--weights-memory", default=None, help="default: parameters x 2 bytes (or the preset's)")
+    pl.add_argument("--activation-memory", default=None)
+    pl.add_argument("--mean-prompt", type=int, default=512)
+    pl.add_argument("--mean-output", type=int, default=256)
+    pl.add_argument("--concurrency", type=int, default=None, help="also show the KV that many sequences need")
+    pl.set_defaults(func=cmd_plan)
+
+    si = sub.add_parser("simulate", help="replay a trace: contiguous max-length allocator vs paged blocks")
+    model_args(si)
+    si.add_argument("--kv-memory", default="46GB", help="memory left for KV")
+    si.add_argument("--trace", default=None, help="JSONL of {arrival, prompt_len, output_len, max_tokens}")
+    si.add_argument("--num-requests", type=int, default=300)
+    si.add_argument("--rate", type=float, default=0.5, help="mean arrivals per decode step")
+    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--plot", default=None, help="PNG file")
+    si.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -1,0 +1,54 @@
+"""The planner reproduces the seed's figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.planner import kv_bytes_per_token, load_shape, plan
+
+
+def test_seed_7b_one_gb_per_2048_token_sequence():
+    shape = load_shape(preset="seed-7b")
+    assert kv_bytes_per_token(shape, "float16") == 2 * 32 * 4096 * 2
+    p = plan(shape, "80GB", "float16", max_model_len=2048)
+    assert p.kv_bytes_per_seq_max_len == 2 * 32 * 4096 * 2048 * 2  # ~1 GB (1.07e9 bytes = 1 GiB)
+    assert p.kv_bytes_per_seq_max_len == 2**30
+
+
+def test_seed_13b_case_study():
+    shape = load_shape(preset="seed-13b")
+    p = plan(shape, "80GB", "float16", weights_memory="26GB", activation_memory="8GB",
+             mean_prompt=300, mean_output=500, concurrency=8)
+    assert p.kv_bytes_static_at_concurrency == 8 * 4096 * 2 * 40 * 5120 * 2  # ~26 GB
+    assert round(p.kv_bytes_static_at_concurrency / 1e9) == 27 and p.kv_bytes_static_at_concurrency / 2**30 == 25
+    assert p.kv_budget_bytes == 46 * 10**9
+    assert p.max_seqs_static == 13  # 46 GB / 3.36 GB
+    # ~800 real tokens: 50 blocks of 16 = 0.655 GB each -> 70 sequences instead of 13
+    assert p.kv_bytes_per_seq_paged == 800 * 819200 and p.max_seqs_paged == 70
+    assert p.static_utilization == pytest.approx(800 / 4096)
+
+
+def test_gqa_and_fp8_arithmetic():
+    shape = load_shape(preset="smollm2-135m")
+    assert kv_bytes_per_token(shape, "float32") == 2 * 30 * 3 * 64 * 4  # kv heads, not hidden
+    assert kv_bytes_per_token(shape, "bfloat16") == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_per_token(shape, "fp8_e4m3") == 2 * 30 * 3 * (64 + 2)  # + bf16 scale per head
+
+
+def test_plan_cli_json_and_model_sources(tiny_models):  # noqa: ANN001
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "plan", "--preset", "seed-7b", "--memory", "80GB",
+                        "--max-model-len", "2048", "--json"], capture_output=True, text=True, check=True)
+    d = json.loads(r.stdout)
+    assert {"kv_bytes_per_token", "kv_bytes_per_seq_max_len", "max_seqs_static", "max_seqs_paged"} <= d.keys()
+    assert d["kv_bytes_per_seq_max_len"] == 2**30
+    folder = tiny_models["qwen2"][0]
+    assert load_shape(folder).num_kv_heads == 2
+    assert load_shape(folder + "/config.json").num_layers == 2
+    from pagedllm.loader import default_model_path
+
+    g = load_shape(str(default_model_path()))
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (30, 3, 64, 49152)
