@@ -164,6 +164,43 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_kv(args: argparse.Namespace) -> int:
+    import json
+
+    from .evaluate import greedy_agreement, perplexity
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    text = open(args.text, encoding="utf-8").read()
+    rows, ref = [], None
+    for dt in args.kv_dtypes.split(","):
+        llm = LLM(model=args.model, kv_cache_dtype=dt, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len, dtype=args.dtype)
+        ids = llm.get_tokenizer().encode(text)
+        ppl = perplexity(llm.engine, ids, args.chunk)
+        prompts = [{"prompt_token_ids": ids[i * 300:i * 300 + 64]} for i in range(args.num_prompts)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))]
+        ref = ref or outs
+        first_diff = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in zip(ref, outs)]
+        rows.append({"kv_cache_dtype": dt, "tokens": len(ids), "perplexity": ppl,
+                     "greedy_agreement": greedy_agreement(ref, outs),
+                     "mean_tokens_before_divergence": sum(first_diff) / len(first_diff),
+                     "num_kv_blocks": llm.engine.block_manager.num_blocks,
+                     "kv_bytes_per_token": llm.engine.kv_bytes_per_token})
+    base = rows[0]["perplexity"]
+    print(f"{'kv dtype':10} {'tokens':>7} {'perplexity':>11} {'vs first':>9} {'greedy same':>12} "
+          f"{'tok before diverge':>19} {'blocks':>7} {'B/token':>8}")
+    for r in rows:
+        print(f"{r['kv_cache_dtype']:10} {r['tokens']:>7} {r['perplexity']:>11.4f} {r['perplexity'] / base - 1:>+9.2%} "
+              f"{r['greedy_agreement']:>12.1%} {r['mean_tokens_before_divergence']:>19.1f} {r['num_kv_blocks']:>7} "
+              f"{r['kv_bytes_per_token']:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args) | {"func": None}, "rows": rows}, f, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup (KV arithmetic, timing)")
@@ -211,6 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--seed", type=int, default=0)
     si.add_argument("--plot", default=None, help="PNG file")
     si.set_defaults(func=cmd_simulate)
+
+    ev = sub.add_parser("eval-kv", help="perplexity and greedy agreement of each KV cache dtype")
+    ev.add_argument("--model", default=None)
+    ev.add_argument("--dtype", default="auto")
+    ev.add_argument("--text", default="tests/data/english.txt", help="an English text (>= 2000 tokens)")
+    ev.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2")
+    ev.add_argument("--kv-cache-memory", default="1GiB")
+    ev.add_argument("--max-model-len", type=int, default=4096)
+    ev.add_argument("--chunk", type=int, default=512, help="prefill chunk of the perplexity pass")
+    ev.add_argument("--num-prompts", type=int, default=8)
+    ev.add_argument("--max-tokens", type=int, default=64)
+    ev.add_argument("--json", default=None)
+    ev.set_defaults(func=cmd_eval_kv)
     return parser
 
 

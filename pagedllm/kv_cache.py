@@ -13,9 +13,10 @@ class KVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # torch.empty: pages are only touched (committed) when written
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        # zeros, not empty: decode attention reads whole blocks (masking the unused slots), and a
+        # never-written slot holding NaN bits would poison the masked softmax
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
         self.compute_dtype = compute_dtype
         self.block_size = block_size
 

@@ -37,8 +37,8 @@ class FP8KVCache(KVCache):
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
         super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, compute_dtype)
-        self.k_scale = torch.empty((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
-        self.v_scale = torch.empty((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
+        self.k_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
+        self.v_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
 
     @staticmethod
     def storage_dtype(name: str) -> torch.dtype:
@@ -52,7 +52,8 @@ class FP8KVCache(KVCache):
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = quantize(x, data.dtype)  # q: [T, KVH, D], s: [T, KVH]
-            data.view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, q)
+            # fp8 has few CPU kernels: move the bytes as uint8
+            data.view(torch.uint8).view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, q.view(torch.uint8))
             scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, s)
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +61,13 @@ class FP8KVCache(KVCache):
         n = nb * self.block_size
         out = []
         for data, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
-            q = data[block_tables].view(b, n, *data.shape[2:])  # [B, L, KVH, D]
+            q = data.view(torch.uint8)[block_tables].view(data.dtype).view(b, n, *data.shape[2:])  # [B, L, KVH, D]
             s = scales[block_tables].view(b, n, scales.shape[-1])  # [B, L, KVH]
             out.append(dequantize(q, s, self.compute_dtype))
         return out[0], out[1]
 
     def copy_block(self, src: int, dst: int) -> None:
-        super().copy_block(src, dst)
+        for data in (self.k, self.v):
+            data.view(torch.uint8)[dst].copy_(data.view(torch.uint8)[src])
         self.k_scale[dst].copy_(self.k_scale[src])
         self.v_scale[dst].copy_(self.v_scale[src])

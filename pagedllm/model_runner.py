@@ -31,7 +31,8 @@ class ModelRunner:
         self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)
                        for _ in range(cfg.num_layers)]
 
-    def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]]) -> StepResult:
+    def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False) -> StepResult:
+        """all_logits: logits of every scheduled token (scoring), not just the sampled rows."""
         for src, dst in sched.copies:  # copy-on-write before anything writes
             for c in self.caches:
                 c.copy_block(src, dst)
@@ -62,7 +63,9 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
                                            build_mask(n, ctx, self.sliding_window)))
-            if s.completes:
+            if all_logits:
+                logits_rows.extend(range(q_start, q_start + n))
+            elif s.completes:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(req)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(dec_tables), prefills=prefills)

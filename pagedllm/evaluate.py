@@ -1,0 +1,55 @@
+"""Accuracy of KV storage choices: perplexity over a text and greedy agreement."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from .engine import LLMEngine
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledRequest, SchedulerOutput
+
+
+def chunk_logits(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> Iterator[tuple[int, torch.Tensor]]:
+    """Teacher-forced logits of every position, prefilled in chunks through the paged cache:
+    yields (start, logits [n, vocab]). Every chunk attends to what the KV cache holds (quantized,
+    for fp8) of the earlier tokens."""
+    if len(token_ids) > engine.max_model_len:
+        raise ValueError(f"text of {len(token_ids)} tokens exceeds max_model_len {engine.max_model_len}")
+    bm = engine.block_manager
+    rid = "__score__"
+    req = Request(rid, token_ids, SamplingParams(max_tokens=1))
+    done = 0
+    try:
+        while done < len(token_ids):
+            n = min(chunk, len(token_ids) - done)
+            if bm.allocate_slots(rid, token_ids, done, n) is None:
+                raise RuntimeError("KV pool too small for the text")
+            req.num_computed_tokens = done
+            res = engine.runner.execute(SchedulerOutput([ScheduledRequest(req, n)]), bm.tables, all_logits=True)
+            yield done, res.logits
+            done += n
+    finally:
+        bm.free(rid)
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> float:
+    nll, count = 0.0, 0
+    for start, logits in chunk_logits(engine, token_ids, chunk):
+        targets = torch.tensor(token_ids[start + 1:start + len(logits) + 1], dtype=torch.long)
+        k = len(targets)  # the text's last token has no target
+        nll -= float(torch.log_softmax(logits[:k], -1)[torch.arange(k), targets].sum())
+        count += k
+    return math.exp(nll / count)
+
+
+def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> float:
+    """Fraction of positions where two sets of greedy continuations agree."""
+    same = total = 0
+    for a, b in zip(ref, other):
+        total += len(a)
+        same += sum(x == y for x, y in zip(a, b))
+    return same / total if total else 1.0
