@@ -201,6 +201,20 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .config import EngineConfig
+    from .server.app import build_app
+
+    config = EngineConfig(**engine_kwargs(args))  # validate options before binding the port
+    app = build_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
+                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup (KV arithmetic, timing)")
@@ -218,6 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 429")
+    sv.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    sv.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds live requests get on SIGTERM")
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     def model_args(x: argparse.ArgumentParser) -> None:
         m = x.add_mutually_exclusive_group()

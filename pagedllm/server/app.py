@@ -1,0 +1,436 @@
+"""The OpenAI-compatible FastAPI app: completions, chat, models, tokenize, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import EngineConfig
+from ..errors import InvalidRequestError
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine, QueueFullError
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over max_bytes, whether or not Content-Length is sent."""
+
+    def __init__(self, app, max_bytes: int) -> None:  # noqa: ANN001
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001, ANN204
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                return await error_response(413, f"request body over {self.max_bytes} bytes",
+                                            code="payload_too_large")(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():  # noqa: ANN202
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise APIError(413, f"request body over {self.max_bytes} bytes", code="payload_too_large")
+            return msg
+
+        return await self.app(scope, limited_receive, send)
+
+
+class APIKeyMiddleware:
+    def __init__(self, app, api_key: str) -> None:  # noqa: ANN001
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):  # noqa: ANN001, ANN204
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/ready", "/metrics"):
+            auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                return await error_response(401, "invalid or missing API key", "authentication_error",
+                                            code="invalid_api_key")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def build_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
+              max_queue_len: int = 1024, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    engine = AsyncEngine(config, max_queue_len=max_queue_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        await engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    app.state.engine = engine
+
+    def model_name() -> str:
+        return served_model_name or (engine.engine.model_name if engine.engine else "pagedllm")
+
+    def core():  # noqa: ANN202
+        if engine.engine is None:
+            if engine.load_error:
+                raise APIError(503, f"model failed to load: {engine.load_error}", "service_unavailable")
+            raise APIError(503, "the model is loading; retry shortly", "service_unavailable")
+        return engine.engine
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name():
+            raise APIError(400, f"model {name!r} does not exist; this server serves {model_name()!r}",
+                           param="model", code="model_not_found")
+
+    # ---- errors --------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg = "request body is not valid JSON (or not UTF-8)"
+        return error_response(400, f"{'.'.join(loc) + ': ' if loc else ''}{msg}", param=".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else
+                              "server_error")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(e).__name__}", "server_error")
+
+    # ---- plain endpoints -----------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if engine.ready:
+            return JSONResponse({"status": "ready"})
+        state = engine.load_error or engine.loop_error or ("loading" if engine.engine is None else "stalled")
+        return JSONResponse({"status": state}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        e = core()
+        return {"object": "list", "data": [{"id": model_name(), "object": "model", "created": int(time.time()),
+                                            "owned_by": "pagedllm", "max_model_len": e.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        e = core()
+        check_model(req.model)
+        tok = e.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                           add_generation_prompt=req.add_generation_prompt)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": e.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        e = core()
+        check_model(req.model)
+        if e.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        bad = [t for t in req.tokens if not 0 <= t < e.model_config.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": e.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    # ---- generation ----------------------------------------------------------------------
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
+                stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    async def submit(prompts: list, params: SamplingParams, req: Any, prefix: str) -> list[str]:
+        """Add every prompt; on any error abort the ones already added and raise."""
+        base = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        ids: list[str] = []
+        try:
+            for i, p in enumerate(prompts):
+                rid = f"{base}-{i}"
+                await engine.add(rid, p, params, priority=req.priority, cache_salt=req.cache_salt)
+                ids.append(rid)
+        except InvalidRequestError as e:
+            for rid in ids:
+                engine.abort(rid)
+            raise APIError(400, str(e)) from e
+        except QueueFullError as e:
+            for rid in ids:
+                engine.abort(rid)
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
+        except BaseException:
+            for rid in ids:
+                engine.abort(rid)
+            raise
+        return ids
+
+    async def merged(ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several requests as they come: (prompt index, output)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, rid: str) -> None:
+            try:
+                async for out in engine.stream(rid):
+                    await queue.put((i, out))
+            except Exception as ex:  # noqa: BLE001
+                await queue.put((i, ex))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]
+        live = len(tasks)
+        try:
+            while live:
+                i, out = await queue.get()
+                if out is None:
+                    live -= 1
+                elif isinstance(out, Exception):
+                    raise APIError(500, str(out), "server_error")
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for rid in ids:
+                engine.abort(rid)
+
+    async def final_outputs(ids: list[str], request: Request) -> list[RequestOutput]:
+        """Wait for all to finish; a client that disconnects aborts them."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def collect() -> None:
+            async for i, out in merged(ids):
+                if out.finished:
+                    finals[i] = out
+
+        task = asyncio.create_task(collect())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                for rid in ids:
+                    engine.abort(rid)
+                raise APIError(499, "client disconnected")
+        task.result()
+        return [finals[i] for i in range(len(ids))]
+
+    def usage(outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+
+    def sse(obj: dict | str) -> str:
+        return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    def token_str(e, t: int) -> str:  # noqa: ANN001
+        return e.tokenizer.decode([t], skip_special_tokens=False) if e.tokenizer else str(t)
+
+    def completion_logprobs(e, token_ids: list[int], lps: list, offset0: int) -> dict:  # noqa: ANN001
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for t, lp in zip(token_ids, lps):
+            s = token_str(e, t)
+            tokens.append(s)
+            token_lps.append(lp[t].logprob)
+            tops.append({token_str(e, k): v.logprob for k, v in lp.items()})
+            offsets.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(e, token_ids: list[int], lps: list, k: int) -> dict:  # noqa: ANN001
+        content = []
+        for t, lp in zip(token_ids, lps):
+            s = token_str(e, t)
+            top = sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:k]
+            content.append({"token": s, "logprob": lp[t].logprob, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": token_str(e, a), "logprob": b.logprob,
+                                              "bytes": list(token_str(e, a).encode())} for a, b in top]})
+        return {"content": content}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        e = core()
+        check_model(req.model)
+        p = req.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif isinstance(p[0], int):
+            prompts = [{"prompt_token_ids": p}]
+        elif isinstance(p[0], list):
+            if any(not x for x in p):
+                raise APIError(400, "prompt must not contain empty token lists", param="prompt")
+            prompts = [{"prompt_token_ids": x} for x in p]
+        else:
+            prompts = list(p)
+        params = sampling(req, req.max_tokens, req.logprobs)
+        ids = await submit(prompts, params, req, "cmpl")
+        created, rid, name = int(time.time()), ids[0].rsplit("-", 1)[0], model_name()
+        n = params.n
+
+        def prompt_text(o: RequestOutput) -> str:
+            if o.prompt is not None:
+                return o.prompt
+            return e.tokenizer.decode(o.prompt_token_ids, skip_special_tokens=False) if e.tokenizer else ""
+
+        if not req.stream:
+            outs = await final_outputs(ids, request)
+            choices = []
+            for i, o in enumerate(outs):
+                for c in o.outputs:
+                    head = prompt_text(o) if req.echo else ""
+                    choices.append({"index": i * n + c.index, "text": head + c.text,
+                                    "logprobs": completion_logprobs(e, c.token_ids, c.logprobs, len(head))
+                                    if req.logprobs is not None else None,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                    "choices": choices, "usage": usage(outs)}
+
+        async def gen() -> AsyncIterator[str]:
+            sent_text: dict[int, int] = {}
+            sent_tok: dict[int, int] = {}
+            finals: dict[int, RequestOutput] = {}
+            try:
+                async for i, o in merged(ids):
+                    for c in o.outputs:
+                        idx = i * n + c.index
+                        if idx not in sent_text:
+                            sent_text[idx] = sent_tok[idx] = 0
+                            if req.echo:
+                                yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                                           "choices": [{"index": idx, "text": prompt_text(o), "logprobs": None,
+                                                        "finish_reason": None}]})
+                        delta = c.text[sent_text[idx]:]
+                        new_toks = c.token_ids[sent_tok[idx]:]
+                        if not delta and not c.finish_reason and not (req.logprobs is not None and new_toks):
+                            continue
+                        lp = completion_logprobs(e, new_toks, c.logprobs[sent_tok[idx]:], sent_text[idx]) \
+                            if req.logprobs is not None else None
+                        sent_text[idx], sent_tok[idx] = len(c.text), len(c.token_ids)
+                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                                   "choices": [{"index": idx, "text": delta, "logprobs": lp,
+                                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    if o.finished:
+                        finals[i] = o
+                if req.stream_options and req.stream_options.include_usage:
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                               "choices": [], "usage": usage(list(finals.values()))})
+            except APIError as ex:
+                yield sse({"error": {"message": ex.message, "type": ex.type, "param": None, "code": ex.code}})
+            yield sse("[DONE]")
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        e = core()
+        check_model(req.model)
+        if e.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot chat")
+        try:
+            text = e.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
+                                                   add_generation_prompt=req.add_generation_prompt,
+                                                   chat_template=req.chat_template)
+        except InvalidRequestError as ex:
+            raise APIError(400, str(ex), param="messages") from ex
+        prompt = {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False)}
+        k = req.top_logprobs or 0
+        params = sampling(req, req.max_completion_tokens or req.max_tokens, k if req.logprobs else None)
+        ids = await submit([prompt], params, req, "chatcmpl")
+        created, rid, name = int(time.time()), ids[0].rsplit("-", 1)[0], model_name()
+
+        if not req.stream:
+            (o,) = await final_outputs(ids, request)
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": chat_logprobs(e, c.token_ids, c.logprobs, k) if req.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in o.outputs]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                    "choices": choices, "usage": usage([o])}
+
+        async def gen() -> AsyncIterator[str]:
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
+            for i in range(params.n):  # the first chunk of each choice carries the role
+                yield sse(head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}]})
+            sent_text = [0] * params.n
+            sent_tok = [0] * params.n
+            final = None
+            try:
+                async for _, o in merged(ids):
+                    for c in o.outputs:
+                        delta = c.text[sent_text[c.index]:]
+                        new_toks = c.token_ids[sent_tok[c.index]:]
+                        if not delta and not c.finish_reason:
+                            continue
+                        lp = chat_logprobs(e, new_toks, c.logprobs[sent_tok[c.index]:], k) if req.logprobs else None
+                        sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
+                        yield sse(head | {"choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
+                                                       "logprobs": lp, "finish_reason": c.finish_reason}]})
+                    if o.finished:
+                        final = o
+                if req.stream_options and req.stream_options.include_usage and final is not None:
+                    yield sse(head | {"choices": [], "usage": usage([final])})
+            except APIError as ex:
+                yield sse({"error": {"message": ex.message, "type": ex.type, "param": None, "code": ex.code}})
+            yield sse("[DONE]")
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+

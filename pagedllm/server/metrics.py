@@ -1,0 +1,59 @@
+"""Prometheus metrics, `pagedllm:` prefix, units in names. Counters and gauges are read from
+the engine's stats snapshot at scrape time; latency histograms are observed per request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class _StatsCollector:
+    def __init__(self, snapshot: Callable[[], EngineStats | None]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):  # noqa: ANN201
+        s = self.snapshot()
+        if s is None:
+            return
+        gauges = [("num_requests_running", "Requests in the running batch", s.num_running),
+                  ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+                  ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", s.kv_usage),
+                  ("kv_cache_utilization_perc", "Live token slots / slots of used blocks", s.kv_utilization),
+                  ("kv_cache_blocks_total", "KV blocks in the pool", s.kv_blocks_total),
+                  ("kv_cache_blocks_used", "KV blocks in use", s.kv_blocks_used)]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(f"pagedllm:{name}", doc)
+            g.add_metric([], value)
+            yield g
+        counters = [("prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
+                    ("generation_tokens", "Tokens generated", s.generation_tokens),
+                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+                    ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits),
+                    ("num_preemptions", "Requests preempted (recomputed later)", s.num_preemptions)]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(f"pagedllm:{name}", doc)
+            c.add_metric([], value)
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(snapshot))
+        r = self.registry
+        self.request_success = Counter("pagedllm:request_success", "Finished requests by finish reason",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("pagedllm:request_queue_time_seconds", "Arrival to first scheduling",
+                               buckets=_LATENCY_BUCKETS, registry=r)
