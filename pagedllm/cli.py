@@ -210,6 +210,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = EngineConfig(**engine_kwargs(args))  # validate options before binding the port
     app = build_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes)
+    import signal
+
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that
+    # was installed before it; a no-op one there makes a requested shutdown exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

@@ -40,6 +40,41 @@ def tiny_models(tmp_path_factory):  # noqa: ANN001, ANN201
     return out
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_tiny_tokenizer(path, vocab_size: int = 320) -> None:  # noqa: ANN001
+    """A byte-level BPE of exactly vocab_size tokens trained on the test text, ChatML template."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = (Path(__file__).parent / "data" / "english.txt").read_text()
+    tok.train_from_iterator([text], trainer)
+    assert tok.get_vocab_size() == vocab_size
+    path = Path(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML}))
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
+    """A tiny random Llama with a real tokenizer and chat template."""
+    path = tmp_path_factory.mktemp("llama-chat")
+    make_tiny_model("llama", path, seed=5)
+    add_tiny_tokenizer(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tiny_models):  # noqa: ANN001, ANN201
     return tiny_models["llama"][0]
