@@ -250,6 +250,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 
+    from .bench import latency, memory, roofline, serve, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput | latency | serve | memory | roofline")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, mod, doc in (("throughput", throughput, "pagedllm vs the traditional approach on a workload"),
+                           ("latency", latency, "one request: time to first token, decode tokens/s"),
+                           ("serve", serve, "drive a running server: Poisson arrivals, latency percentiles"),
+                           ("memory", memory, "KV bytes used by paging vs max-length preallocation"),
+                           ("roofline", roofline, "decode step time vs this machine's bandwidth/compute floor")):
+        b = bsub.add_parser(name, help=doc)
+        mod.add_args(b)
+        if name != "serve":
+            add_engine_args(b)
+        else:
+            b.add_argument("--seed", type=int, default=0)
+        b.add_argument("--json", default=None, help="write every number, the configuration and the machine here")
+        b.add_argument("--plot", default=None, help="PNG file")
+        b.add_argument("--no-progress", action="store_true")
+        b.set_defaults(func=lambda a, m=mod: (m.main(a, engine_kwargs(a)), 0)[1])
+
     def model_args(x: argparse.ArgumentParser) -> None:
         m = x.add_mutually_exclusive_group()
         m.add_argument("--model", default=None, help="HF folder, .gguf file or config.json (default: SmolLM2-135M)")

@@ -138,7 +138,7 @@ _GGUF_LAYER = {
 
 def _gguf_key(path: Path) -> str:
     st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v1".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v2".encode()).hexdigest()[:16]
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -180,6 +180,7 @@ def gguf_to_hf_folder(path: Path) -> Path:
     tensors = {t.name: t for t in reader.tensors}
     vocab = int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0))
     cfg = {
+        "model_type": arch,
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "mistral": "MistralForCausalLM"}[arch]],
         "vocab_size": vocab, "hidden_size": hidden,

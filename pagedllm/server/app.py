@@ -151,7 +151,8 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
     async def models() -> dict:
         e = core()
         return {"object": "list", "data": [{"id": model_name(), "object": "model", "created": int(time.time()),
-                                            "owned_by": "pagedllm", "max_model_len": e.max_model_len}]}
+                                            "owned_by": "pagedllm", "max_model_len": e.max_model_len,
+                                            "vocab_size": e.model_config.vocab_size}]}
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:

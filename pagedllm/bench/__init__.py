@@ -1,0 +1,1 @@
+"""`pagedllm bench ...`: throughput, latency, serve, memory, roofline."""

@@ -1,0 +1,72 @@
+"""One request at a time: time to first token (prefill) and decode tokens/s."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from ..config import EngineConfig
+from ..engine import LLMEngine
+from ..sampling_params import SamplingParams
+from .common import machine_info, now, write_json
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+
+
+def measure(engine: LLMEngine, input_len: int, output_len: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    ids = [rng.randrange(engine.model_config.vocab_size) for _ in range(input_len)]
+    engine.add_request(None, {"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    t0 = now()
+    first = None
+    n = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            n = len(o.outputs[0].token_ids)
+            if first is None and n:
+                first = now()
+    end = now()
+    decode_s = end - first
+    return {"ttft_s": first - t0, "decode_tokens_per_s": (n - 1) / decode_s if n > 1 else 0.0,
+            "e2e_s": end - t0, "output_tokens": n}
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    kw = dict(engine_kwargs)
+    kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens") or 0, args.input_len)
+    kw["enable_prefix_caching"] = False  # every iteration measures a real prefill
+    engine = LLMEngine(EngineConfig(**kw))
+    for i in range(args.num_iters_warmup):
+        measure(engine, args.input_len, min(args.output_len, 8), args.seed + 1000 + i)
+    runs = [measure(engine, args.input_len, args.output_len, args.seed + i) for i in range(args.num_iters)]
+    summary = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tokens_per_s", "e2e_s")}
+    print(f"input {args.input_len} tokens, output {args.output_len} tokens, {args.num_iters} runs (median):")
+    print(f"  time to first token  {summary['ttft_s'] * 1000:8.1f} ms  ({args.input_len / summary['ttft_s']:.0f} prompt tok/s)")
+    print(f"  decode               {summary['decode_tokens_per_s']:8.1f} tokens/s")
+    print(f"  end to end           {summary['e2e_s']:8.2f} s")
+    report = {"bench": "latency", "config": {**{k: v for k, v in vars(args).items() if k != "func"}, "engine": kw},
+              "machine": machine_info(), "runs": runs, "median": summary,
+              "prompt_tokens_per_s": args.input_len / summary["ttft_s"]}
+    write_json(args.json, report)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(1, 2, figsize=(8, 3.5))
+        ax[0].bar(range(len(runs)), [r["ttft_s"] * 1000 for r in runs])
+        ax[0].set_title("time to first token (ms)")
+        ax[1].bar(range(len(runs)), [r["decode_tokens_per_s"] for r in runs], color="tab:green")
+        ax[1].set_title("decode tokens/s")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        plt.close(fig)
+    return report

@@ -1,0 +1,95 @@
+"""How close is a decode step to what this machine can physically do?
+
+Measures, with torch on the machine at hand, the memory bandwidth (streaming a large fp32
+tensor) and the matmul rate (large fp32 GEMM), then times real decode steps at a batch size.
+The floor of a step is max(bytes it must read / bandwidth, FLOPs / matmul rate); bytes = the
+weights once per step plus the KV of every sequence's context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+import torch
+
+from ..config import EngineConfig
+from ..engine import LLMEngine
+from ..sampling_params import SamplingParams
+from .common import machine_info, now, write_json
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=64, help="running sequences in the measured decode steps")
+    p.add_argument("--context-len", type=int, default=256, help="prompt length of each sequence")
+    p.add_argument("--decode-steps", type=int, default=16)
+
+
+def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = now()
+        x.sum()  # reads every byte once
+        best = min(best, now() - t)
+    return nbytes / best
+
+
+def measure_matmul(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = now()
+        a @ b
+        best = min(best, now() - t)
+    return 2 * n**3 / best
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False}))
+    model = engine.runner.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    emb = model.embed_tokens.weight
+    # the embedding table is only gathered (B rows), except when tied it is also the lm_head
+    gathered_only = 0 if model.cfg.tie_word_embeddings else emb.numel() * emb.element_size()
+    step_weight_bytes = weight_bytes - gathered_only
+    matmul_params = n_params - (emb.numel() if not model.cfg.tie_word_embeddings else 0)
+    bw, flops = measure_bandwidth(), measure_matmul()
+    rng = random.Random(args.seed)
+    vocab = engine.model_config.vocab_size
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.context_len)]},
+                           SamplingParams(temperature=0, max_tokens=args.decode_steps + 4, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill everything first
+    times = []
+    for _ in range(args.decode_steps):
+        t = now()
+        engine.step()
+        times.append(now() - t)
+    step = statistics.median(times)
+    ctx = args.context_len + args.decode_steps // 2
+    kv_bytes = args.batch * ctx * engine.kv_bytes_per_token
+    bytes_floor = (step_weight_bytes + kv_bytes) / bw
+    attn_flops = 4 * args.batch * ctx * model.cfg.num_heads * model.cfg.head_dim * model.cfg.num_layers
+    flop_floor = (2 * matmul_params * args.batch + attn_flops) / flops
+    floor = max(bytes_floor, flop_floor)
+    summary = {"batch": args.batch, "context_len": ctx, "bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": flops / 1e9,
+               "weight_bytes_per_step": step_weight_bytes, "kv_bytes_per_step": kv_bytes,
+               "bytes_floor_s": bytes_floor, "flops_floor_s": flop_floor, "floor_s": floor,
+               "achieved_step_s": step, "achieved_over_floor": step / floor,
+               "decode_tokens_per_s": args.batch / step}
+    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s fp32 matmul")
+    print(f"decode step, batch {args.batch}, context ~{ctx}:")
+    print(f"  memory floor   {bytes_floor * 1000:8.2f} ms  ({(step_weight_bytes + kv_bytes) / 2**20:.0f} MiB weights+KV)")
+    print(f"  compute floor  {flop_floor * 1000:8.2f} ms")
+    print(f"  achieved       {step * 1000:8.2f} ms  = {step / floor:.2f}x the floor, {args.batch / step:.0f} tokens/s")
+    report = {"bench": "roofline", "config": {**{k: v for k, v in vars(args).items() if k != "func"},
+                                              "engine": engine_kwargs},
+              "machine": machine_info(), "summary": summary, "step_times_s": times}
+    write_json(args.json, report)
+    return report

@@ -1,0 +1,168 @@
+"""Throughput of a workload through pagedllm and through the traditional approach, same weights,
+same requests, one process run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..config import EngineConfig
+from ..engine import LLMEngine
+from ..sampling_params import SamplingParams
+from ..workloads import WorkItem
+from .common import load_workload, machine_info, now, track_peak_rss, write_json
+
+log = logging.getLogger("pagedllm.bench")
+
+
+def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True) -> dict:
+    for i, w in enumerate(work):
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": w.prompt_token_ids},
+                           SamplingParams(temperature=0.0, max_tokens=w.max_tokens, ignore_eos=True))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(work), desc="pagedllm", unit="req", leave=False)
+    out_tokens, util_num, util_den, steps = 0, 0.0, 0, 0
+    with track_peak_rss() as rss:
+        t0 = now()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out_tokens += len(o.outputs[0].token_ids)
+                    if bar:
+                        bar.update(1)
+            st = engine.stats()
+            util_num += st.kv_utilization * st.kv_blocks_used  # block-weighted mean over steps
+            util_den += st.kv_blocks_used
+            steps += 1
+        wall = now() - t0
+    if bar:
+        bar.close()
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
+    st = engine.stats()
+    return {"system": "pagedllm", "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
+            "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
+            "total_tokens_per_s": (prompt_tokens + out_tokens) / wall, "peak_rss_bytes": rss.peak,
+            "kv_utilization": util_num / util_den if util_den else 0.0, "steps": steps,
+            "peak_kv_blocks_used": st.peak_kv_blocks_used, "num_preemptions": st.num_preemptions,
+            "prefix_cache_hits": st.prefix_cache_hits, "wasted_token_fraction": 0.0}
+
+
+def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progress: bool = True) -> dict:
+    """What a transformers user does: static batches of B, left-padded, each batch generates until
+    its longest request is done; tokens past a request's own max_tokens are waste."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise RuntimeError("the hf-static baseline needs `pip install transformers`") from e
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # exact lengths, like ignore_eos
+    pad = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(work), desc=f"hf-static B={batch_size}", unit="req", leave=False)
+    useful = generated = 0
+    with track_peak_rss() as rss:
+        t0 = now()
+        for b in range(0, len(work), batch_size):
+            batch = work[b:b + batch_size]
+            width = max(len(w.prompt_token_ids) for w in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, w in enumerate(batch):  # left padding
+                ids[i, width - len(w.prompt_token_ids):] = torch.tensor(w.prompt_token_ids)
+                mask[i, width - len(w.prompt_token_ids):] = 1
+            steps = max(w.max_tokens for w in batch)
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
+                                     pad_token_id=pad)
+            generated += (out.shape[1] - width) * len(batch)
+            useful += sum(w.max_tokens for w in batch)
+            if bar:
+                bar.update(len(batch))
+        wall = now() - t0
+    if bar:
+        bar.close()
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
+    return {"system": f"hf-static B={batch_size}", "batch_size": batch_size, "wall_s": wall, "requests": len(work),
+            "prompt_tokens": prompt_tokens, "output_tokens": useful, "output_tokens_per_s": useful / wall,
+            "total_tokens_per_s": (prompt_tokens + useful) / wall, "peak_rss_bytes": rss.peak,
+            "generated_tokens": generated, "wasted_token_fraction": 1 - useful / generated if generated else 0.0,
+            "kv_utilization": None}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="mixed", help="mixed | shared-prefix | FILE.jsonl")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--baseline", default="hf-static", choices=["hf-static", "none"])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[8, 16, 32, 64], help="the baseline's B")
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    work = load_workload(args.workload, args.num_requests, engine.model_config.vocab_size, args.seed,
+                         engine.tokenizer)
+    rows = [run_pagedllm(engine, work, not args.no_progress)]
+    if args.baseline == "hf-static":
+        model_path = str(engine_model_folder(engine_kwargs.get("model")))
+        del engine
+        for b in args.batch_size:
+            rows.append(run_hf_static(model_path, work, b, not args.no_progress))
+    ours = rows[0]
+    for r in rows[1:]:
+        r["pagedllm_speedup"] = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
+    report = {"bench": "throughput", "config": {**{k: v for k, v in vars(args).items() if k != "func"},
+                                                "engine": engine_kwargs},
+              "machine": machine_info(), "results": rows}
+    print_table(rows)
+    write_json(args.json, report)
+    if args.plot:
+        plot(rows, args.plot, f"{args.workload}: {len(work)} requests, {ours['output_tokens']} output tokens")
+    return report
+
+
+def engine_model_folder(model: str | None):  # noqa: ANN201
+    """The HF folder holding the engine's weights (a GGUF is converted into one, in the cache)."""
+    from pathlib import Path
+
+    from ..loader import default_model_path, gguf_to_hf_folder
+
+    path = Path(model) if model else default_model_path()
+    return gguf_to_hf_folder(path) if path.suffix == ".gguf" else path
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'system':18} {'wall s':>8} {'out tok/s':>10} {'total tok/s':>12} {'peak RSS MiB':>13} "
+          f"{'KV util':>8} {'wasted':>7} {'pagedllm x':>11}")
+    for r in rows:
+        util = f"{r['kv_utilization']:.1%}" if r.get("kv_utilization") is not None else "-"
+        sp = f"{r['pagedllm_speedup']:.2f}x" if "pagedllm_speedup" in r else "-"
+        print(f"{r['system']:18} {r['wall_s']:>8.1f} {r['output_tokens_per_s']:>10.1f} {r['total_tokens_per_s']:>12.1f} "
+              f"{r['peak_rss_bytes'] / 2**20:>13.0f} {util:>8} {r['wasted_token_fraction']:>7.1%} {sp:>11}")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["system"] for r in rows]
+    vals = [r["output_tokens_per_s"] for r in rows]
+    bars = ax.bar(names, vals, color=["tab:green"] + ["tab:gray"] * (len(rows) - 1))
+    for bar, r in zip(bars, rows):
+        label = f"{r['output_tokens_per_s']:.0f}"
+        if "pagedllm_speedup" in r:
+            label += f"\n(pagedllm {r['pagedllm_speedup']:.1f}x)"
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,111 @@
+"""Each bench on a tiny random model: JSON fields present and internally consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from test_server import Server
+
+
+def run_bench(*args: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", *args, "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+
+
+def test_throughput_vs_hf_static(llama_dir, tmp_path):  # noqa: ANN001
+    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    run_bench("throughput", "--model", llama_dir, "--workload", "mixed", "--num-requests", "6",
+              "--batch-size", "2", "4", "--json", str(out), "--plot", str(png), "--max-model-len", "1024")
+    d = json.loads(out.read_text())
+    assert {"cores", "torch", "threads"} <= d["machine"].keys()
+    assert d["config"]["workload"] == "mixed" and d["config"]["batch_size"] == [2, 4]
+    from pagedllm.workloads import mixed
+
+    work = mixed(6, 320, 0)
+    want_out = sum(w.max_tokens for w in work)
+    ours, *base = d["results"]
+    assert [r["system"] for r in d["results"]] == ["pagedllm", "hf-static B=2", "hf-static B=4"]
+    for r in d["results"]:
+        assert r["output_tokens"] == want_out and r["requests"] == 6
+        assert r["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in work)
+        assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert r["peak_rss_bytes"] > 0
+    for r in base:
+        assert r["pagedllm_speedup"] == pytest.approx(ours["output_tokens_per_s"] / r["output_tokens_per_s"])
+        assert 0 < r["wasted_token_fraction"] < 1  # static batches generate past short requests' ends
+        assert r["generated_tokens"] > r["output_tokens"]
+    assert ours["wasted_token_fraction"] == 0 and 0.5 < ours["kv_utilization"] <= 1
+    assert png.stat().st_size > 5000
+
+
+def test_shared_prefix_workload_hits_cache(llama_dir, tmp_path):  # noqa: ANN001
+    out = tmp_path / "s.json"
+    run_bench("throughput", "--model", llama_dir, "--workload", "shared-prefix", "--num-requests", "8",
+              "--baseline", "none", "--json", str(out), "--max-model-len", "1024")
+    (ours,) = json.loads(out.read_text())["results"]
+    assert ours["prefix_cache_hits"] >= 7 * 512
+
+
+def test_jsonl_workload(llama_dir, tmp_path):  # noqa: ANN001
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 4}\n{"prompt_token_ids": [4, 5], "max_tokens": 6}\n')
+    out = tmp_path / "j.json"
+    run_bench("throughput", "--model", llama_dir, "--workload", str(f), "--baseline", "none", "--json", str(out))
+    (ours,) = json.loads(out.read_text())["results"]
+    assert ours["output_tokens"] == 10 and ours["prompt_tokens"] == 5
+
+
+def test_latency(llama_dir, tmp_path):  # noqa: ANN001
+    out = tmp_path / "l.json"
+    run_bench("latency", "--model", llama_dir, "--input-len", "50", "--output-len", "9", "--num-iters", "2",
+              "--json", str(out))
+    d = json.loads(out.read_text())
+    assert len(d["runs"]) == 2 and all(r["output_tokens"] == 9 for r in d["runs"])
+    assert d["median"]["ttft_s"] > 0 and d["median"]["decode_tokens_per_s"] > 0
+    assert d["prompt_tokens_per_s"] == pytest.approx(50 / d["median"]["ttft_s"])
+
+
+def test_memory(llama_dir, tmp_path):  # noqa: ANN001
+    out, png = tmp_path / "m.json", tmp_path / "m.png"
+    run_bench("memory", "--model", llama_dir, "--num-requests", "16", "--json", str(out), "--plot", str(png),
+              "--max-model-len", "1024")
+    d = json.loads(out.read_text())
+    s, series = d["summary"], d["series"]
+    assert s["peak_static_bytes"] == max(series["static_bytes"]) > s["peak_paged_bytes"] == max(series["paged_bytes"])
+    assert all(p >= u for p, u in zip(series["paged_bytes"], series["live_token_bytes"]))
+    assert s["paged_utilization"] > s["static_utilization"]
+    assert s["peak_concurrency"] == max(series["running"]) <= 16
+
+
+def test_roofline(llama_dir, tmp_path):  # noqa: ANN001
+    out = tmp_path / "r.json"
+    run_bench("roofline", "--model", llama_dir, "--batch", "4", "--context-len", "16", "--decode-steps", "4",
+              "--json", str(out))
+    s = json.loads(out.read_text())["summary"]
+    assert s["floor_s"] == max(s["bytes_floor_s"], s["flops_floor_s"]) > 0
+    assert s["achieved_over_floor"] == pytest.approx(s["achieved_step_s"] / s["floor_s"])
+
+
+def test_serve_bench(chat_model_dir, tmp_path):  # noqa: ANN001
+    srv = Server(chat_model_dir, "--num-kv-blocks", "64")
+    try:
+        out = tmp_path / "v.json"
+        r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--base-url", srv.url,
+                            "--num-requests", "12", "--request-rate", "50", "--json", str(out)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        s = json.loads(out.read_text())["summary"]
+        from pagedllm.workloads import mixed
+
+        assert s["completed"] == 12 and s["errors"] == 0
+        assert s["output_tokens"] == sum(w.max_tokens for w in mixed(12, 320, 0))
+        assert s["output_tokens_per_s"] == pytest.approx(s["output_tokens"] / s["wall_s"])
+        for k in ("ttft_s", "itl_s", "e2e_s"):
+            assert s[k]["p50"] <= s[k]["p90"] <= s[k]["p99"]
+    finally:
+        srv.stop()
