@@ -2,16 +2,17 @@
 
 The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V.
 Each step the new tokens' K/V are written to their slots (block_id * block_size + offset), then
-every sequence attends over its own blocks:
-* sequences with one new token (decodes) are batched: their blocks are gathered into a padded
-  `[B, max_blocks * block_size]` context and masked by context length;
-* prefill chunks run one sequence at a time; a fresh prompt with nothing cached uses plain
-  causal attention on its own new K/V, a chunk that starts mid-sequence gathers its blocks and
-  is masked causally with the right offset.
+every sequence attends over its own blocks. The rows of a step are ordered:
+1. "paged" rows: decodes and prefill chunks that start mid-sequence. They attend over the pool.
+   With the C++ op (fp32, plain cache) all of them go through one call that reads K/V rows straight
+   from their blocks. Otherwise (pure torch): decodes are batched over gathered blocks masked by
+   context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
+2. fresh prompts (nothing cached before them): plain causal attention on their own new K/V.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,19 @@ class PrefillSeq:
     q_len: int
     ctx_len: int
     block_table: torch.Tensor  # [num_blocks_of_seq]
-    mask: torch.Tensor | None  # [1, 1, q_len, ctx_len] bool, None: causal on new tokens only
+    mask: torch.Tensor | None  # [1, 1, q_len, ctx_len] bool; None: causal over the new tokens alone
+
+
+@dataclass
+class PagedRows:
+    """Inputs of the C++ op for rows [0, num_rows)."""
+
+    num_rows: int
+    block_tables: torch.Tensor  # [S, max_blocks] int64
+    row_seq: torch.Tensor  # [num_rows] int64
+    q_start: torch.Tensor  # [S]
+    q_len: torch.Tensor  # [S]
+    ctx_len: torch.Tensor  # [S]
 
 
 @dataclass
@@ -34,10 +47,13 @@ class AttentionMetadata:
     """Per-step context shared by all layers; built once by the model runner."""
 
     slot_mapping: torch.Tensor  # [num_tokens]
-    num_decodes: int  # the first num_decodes rows of the batch are single-token sequences
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    num_decodes: int  # the first num_decodes rows are single-token sequences
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] (torch path)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] (torch path)
     prefills: list[PrefillSeq] = field(default_factory=list)
+    paged: PagedRows | None = None  # set when the C++ op serves the paged rows
+    sliding_window: int | None = None
+    op: Callable | None = None
 
 
 def build_mask(q_len: int, ctx_len: int, sliding_window: int | None) -> torch.Tensor | None:
@@ -68,24 +84,28 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     """q: [T, H, D]; k, v: [T, KVH, D] of the new tokens. Returns [T, H, D]."""
     cache.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
+    p = meta.paged
+    if p is not None:
+        n = p.num_rows
+        meta.op(out[:n], q[:n].contiguous(), cache.k, cache.v, p.block_tables, p.row_seq, p.q_start, p.q_len,
+                p.ctx_len, scale, meta.sliding_window or 0)
+    elif meta.num_decodes:
+        nd = meta.num_decodes
         kc, vc = cache.gather(meta.decode_block_tables)  # [B, L, KVH, D]
-        qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
-            qd, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=meta.decode_mask,
-            scale=scale, enable_gqa=True)  # [B, H, 1, D]
+            q[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),  # q: [B, H, 1, D]
+            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)  # [B, H, 1, D]
         out[:nd] = o.squeeze(2)
-    for p in meta.prefills:
-        sl = slice(p.q_start, p.q_start + p.q_len)
-        qp = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        if p.mask is None and not cache.lossy:
-            kp, vp = k[sl], v[sl]
+    for s in meta.prefills:
+        sl = slice(s.q_start, s.q_start + s.q_len)
+        qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if s.mask is None and not cache.lossy:
+            ks, vs = k[sl], v[sl]
         else:
-            kp, vp = cache.gather(p.block_table.unsqueeze(0))
-            kp, vp = kp[0, :p.ctx_len], vp[0, :p.ctx_len]  # [ctx_len, KVH, D]
+            ks, vs = cache.gather(s.block_table.unsqueeze(0))
+            ks, vs = ks[0, :s.ctx_len], vs[0, :s.ctx_len]  # [ctx_len, KVH, D]
         o = F.scaled_dot_product_attention(
-            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True)
+            qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True)
         out[sl] = o[0].transpose(0, 1)
     return out

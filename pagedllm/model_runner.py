@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSeq, build_decode_mask, build_mask
+from .attention import AttentionMetadata, PagedRows, PrefillSeq, build_decode_mask, build_mask
+from .kernels import paged_attention_op
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .request import Request
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -30,6 +31,8 @@ class ModelRunner:
         self.sliding_window = cfg.sliding_window
         self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)
                        for _ in range(cfg.num_layers)]
+        plain_fp32 = cache_factory is KVCache and kv_dtype == torch.float32 and self.dtype == torch.float32
+        self.op = paged_attention_op() if plain_fp32 else None
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False) -> StepResult:
         """all_logits: logits of every scheduled token (scoring), not just the sampled rows."""
@@ -37,8 +40,11 @@ class ModelRunner:
             for c in self.caches:
                 c.copy_block(src, dst)
         bs = self.block_size
-        # single-token sequences first: they are batched in attention
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+
+        def kind(s: ScheduledRequest) -> int:  # decodes, then mid-sequence chunks, then fresh prompts
+            return 0 if s.num_new_tokens == 1 else (1 if s.request.num_computed_tokens else 2)
+
+        order = sorted(sched.scheduled, key=kind)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -47,6 +53,8 @@ class ModelRunner:
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        paged_tables: list[list[int]] = []
+        paged_meta: list[tuple[int, int, int]] = []  # (q_start, q_len, ctx_len)
         for s in order:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
@@ -57,10 +65,13 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
             nb = -(-ctx // bs)
+            if kind(s) < 2:
+                paged_tables.append(table[:nb])
+                paged_meta.append((q_start, n, ctx))
             if n == 1:
                 dec_tables.append(table[:nb])
                 dec_lens.append(ctx)
-            else:
+            elif self.op is None or kind(s) == 2:  # with the op, mid-sequence chunks are paged rows
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
                                            build_mask(n, ctx, self.sliding_window)))
             if all_logits:
@@ -68,8 +79,16 @@ class ModelRunner:
             elif s.completes:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(req)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(dec_tables), prefills=prefills)
-        if dec_tables:
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(dec_tables), prefills=prefills,
+                                 sliding_window=self.sliding_window, op=self.op)
+        if self.op is not None and paged_meta:
+            width = max(len(t) for t in paged_tables)
+            row_seq = [i for i, (_, n, _) in enumerate(paged_meta) for _ in range(n)]
+            q_starts, q_lens, ctx_lens = zip(*paged_meta)
+            meta.paged = PagedRows(len(row_seq), torch.tensor([t + [0] * (width - len(t)) for t in paged_tables]),
+                                   torch.tensor(row_seq), torch.tensor(q_starts), torch.tensor(q_lens),
+                                   torch.tensor(ctx_lens))
+        elif dec_tables:
             width = max(len(t) for t in dec_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
             meta.decode_mask = build_decode_mask(dec_lens, width * bs, self.sliding_window)

@@ -1,0 +1,106 @@
+// Attention that reads K/V straight from the paged pool: no gathered copy of the context.
+//
+// One work item = one query token x one KV head; it serves the G = H / KVH query heads that share
+// that KV head (GQA), so every K/V row is read once per item. Scores go to a thread-local buffer:
+// pass 1 q.k and the max, pass 2 exp and the sum, pass 3 the weighted sum of V rows.
+// Query row r of sequence s attends to keys [lo, hi): hi = ctx_len - q_len + i + 1 (causal, i = r's
+// index in its chunk), lo = hi - window when a sliding window is set.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  return acc;
+}
+
+void paged_attention(torch::Tensor out,           // [T, H, D] fp32
+                     torch::Tensor q,             // [T, H, D] fp32
+                     torch::Tensor k_cache,       // [NB, BS, KVH, D] fp32
+                     torch::Tensor v_cache,       // [NB, BS, KVH, D] fp32
+                     torch::Tensor block_tables,  // [S, MAXB] int64
+                     torch::Tensor row_seq,       // [T] int64: sequence of each query row
+                     torch::Tensor q_start,       // [S] int64: first row of each sequence
+                     torch::Tensor q_len,         // [S] int64
+                     torch::Tensor ctx_len,       // [S] int64
+                     double scale, int64_t window) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH, MAXB = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* rs = row_seq.data_ptr<int64_t>();
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* cl = ctx_len.data_ptr<int64_t>();
+  const int64_t row_stride = KVH * D;  // between consecutive slots of the pool
+  const float fscale = static_cast<float>(scale);
+
+  TORCH_CHECK(G <= 64, "at most 64 query heads per KV head");
+  at::parallel_for(0, T * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc(G * D);
+    float mx[64], inv[64];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / KVH, kvh = item % KVH;
+      const int64_t s = rs[r];
+      const int64_t hi = cl[s] - ql[s] + (r - qs[s]) + 1;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
+      const int64_t n = hi - lo;
+      scores.resize(G * n);
+      float* __restrict sc = scores.data();
+      const int64_t* table = bt + s * MAXB;
+      const float* qrow = qp + (r * H + kvh * G) * D;
+      for (int64_t g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::max();
+      // walk the blocks, not the tokens: one table lookup per block
+      for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
+        const float* kblock = kp + table[t0 / BS] * BS * row_stride + kvh * D;
+        const int64_t a = std::max(t0, lo), b = std::min(t0 + BS, hi);
+        for (int64_t t = a; t < b; ++t) {
+          const float* krow = kblock + (t - t0) * row_stride;
+          for (int64_t g = 0; g < G; ++g) {
+            const float v = dot(qrow + g * D, krow, D) * fscale;
+            sc[g * n + (t - lo)] = v;
+            mx[g] = v > mx[g] ? v : mx[g];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+        float* sg = sc + g * n;
+        const float m = mx[g];
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - m);
+          sum += sg[j];
+        }
+        inv[g] = 1.f / sum;
+      }
+      float* __restrict ac = acc.data();
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
+        const float* vblock = vp + table[t0 / BS] * BS * row_stride + kvh * D;
+        const int64_t a = std::max(t0, lo), b = std::min(t0 + BS, hi);
+        for (int64_t t = a; t < b; ++t) {
+          const float* __restrict vrow = vblock + (t - t0) * row_stride;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = sc[g * n + (t - lo)];
+            float* __restrict ag = ac + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * vrow[d];
+          }
+        }
+      }
+      float* orow = op + (r * H + kvh * G) * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) orow[g * D + d] = ac[g * D + d] * inv[g];
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, CPU)");
+}
