@@ -10,8 +10,7 @@ from pathlib import Path
 
 log = logging.getLogger("pagedllm")
 
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp",
-]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 @cache
@@ -23,7 +22,8 @@ def paged_attention_op():  # noqa: ANN201
         from torch.utils.cpp_extension import load
 
         src = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-        mod = load(name="pagedllm_paged_attention", sources=[str(src)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        mod = load(name="pagedllm_paged_attention", sources=[str(src)], extra_cflags=_FLAGS,
+                   extra_ldflags=["-fopenmp"], verbose=False)
         return mod.paged_attention
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ paged attention unavailable (%s); using the pure-torch path", e)
