@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata, PagedRows, PrefillSeq, build_decode_mask, build_mask
-from .kernels import paged_attention_op
+from .kernels import load_ops
 from .kv_cache import KVCache
 from .models.llama import LlamaForCausalLM
 from .request import Request
@@ -31,8 +31,10 @@ class ModelRunner:
         self.sliding_window = cfg.sliding_window
         self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)
                        for _ in range(cfg.num_layers)]
-        plain_fp32 = cache_factory is KVCache and kv_dtype == torch.float32 and self.dtype == torch.float32
-        self.op = paged_attention_op() if plain_fp32 else None
+        ops = load_ops() if self.dtype == torch.float32 else None
+        model.set_ops(ops)
+        plain_fp32_cache = cache_factory is KVCache and kv_dtype == torch.float32
+        self.op = ops.paged_attention if ops is not None and plain_fp32_cache else None
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False) -> StepResult:
         """all_logits: logits of every scheduled token (scoring), not just the sampled rows."""

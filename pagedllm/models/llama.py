@@ -16,6 +16,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..errors import ModelLoadError
+from ..kernels import SKINNY_MAX_ROWS_LM_HEAD, Ops
 from ..kv_cache import KVCache
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -127,12 +128,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
+        self.ops: Ops | None = None
+
+    def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if self.ops is None:
+            return layer(x)
+        return self.ops.linear(x, layer.weight, layer.bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_layernorm(x)
-        qkv = self.qkv_proj(h)  # [T, q_size + 2 * kv_size]
+        qkv = self._linear(h, self.qkv_proj)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -140,9 +147,9 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
         k = k * cos + rotate_half(k) * sin
         a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
-        x = x + self.o_proj(a.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + self._linear(a.reshape(t, self.q_size), self.o_proj)
+        gate, up = self._linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return x + self._linear(F.silu(gate) * up, self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,6 +165,13 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_len = 0
+        self.ops: Ops | None = None
+
+    def set_ops(self, ops: Ops | None) -> None:
+        """Use the C++ kernels (fp32 only) for small-batch linears."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = ops
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -179,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cos, sin, cache, meta)
         x = self.norm(x[logits_indices])  # only the rows we sample from reach the lm_head
+        if self.ops is not None:
+            return self.ops.linear(x, self.lm_head.weight, None, max_rows=SKINNY_MAX_ROWS_LM_HEAD)
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
