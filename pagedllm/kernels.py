@@ -17,8 +17,8 @@ from torch.nn import functional as F
 log = logging.getLogger("pagedllm")
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-SKINNY_MAX_ROWS = 4  # measured: below this the streaming kernel beats MKL, above MKL wins
-SKINNY_MAX_ROWS_LM_HEAD = 16  # the 49k-row lm_head stays bandwidth-bound longer
+SKINNY_MAX_ROWS = 160  # measured on SmolLM2 shapes: the kernel beats MKL up to ~192 rows, MKL wins from ~256
+SKINNY_MAX_ROWS_LM_HEAD = 256  # the 49k-row lm_head: crossover between 256 and 512 rows
 
 
 @dataclass(frozen=True)
