@@ -25,6 +25,7 @@ SKINNY_MAX_ROWS_LM_HEAD = 256  # the 49k-row lm_head: crossover between 256 and 
 class Ops:
     paged_attention: object
     skinny_linear: object
+    silu_and_mul: object
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, max_rows: int = SKINNY_MAX_ROWS) -> Tensor:
         if x.shape[0] <= max_rows and x.dtype == weight.dtype == torch.float32:
@@ -42,7 +43,7 @@ def load_ops() -> Ops | None:
         src = Path(__file__).parent / "csrc" / "ops.cpp"
         mod = load(name="pagedllm_ops", sources=[str(src)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                    verbose=False)
-        return Ops(mod.paged_attention, mod.skinny_linear)
+        return Ops(mod.paged_attention, mod.skinny_linear, mod.silu_and_mul)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None

@@ -148,8 +148,13 @@ class DecoderLayer(nn.Module):
         k = k * cos + rotate_half(k) * sin
         a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
         x = x + self._linear(a.reshape(t, self.q_size), self.o_proj)
-        gate, up = self._linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + self._linear(F.silu(gate) * up, self.down_proj)
+        gate_up = self._linear(self.post_attention_layernorm(x), self.gate_up_proj)  # [T, 2 * intermediate]
+        if self.ops is not None and gate_up.dtype == torch.float32:
+            act = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x + self._linear(act, self.down_proj)
 
 
 class LlamaForCausalLM(nn.Module):
