@@ -31,7 +31,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -63,10 +62,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_id(self, pos: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[pos] if pos < p else self.output_token_ids[pos - p]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)

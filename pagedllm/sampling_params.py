@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -23,9 +23,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
