@@ -204,14 +204,14 @@ def gguf_to_hf_folder(path: Path) -> Path:
                 continue  # e.g. rope_freqs: llama3 factors are recomputed from the config
             hf = f"model.layers.{i}.{_GGUF_LAYER[kind]}.{suffix}"
         elif name in _GGUF_NAMES:
-            hf = _GGUF_NAMES[name]
+            kind, hf = "", _GGUF_NAMES[name]
         else:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim > 1 or len(t.shape) > 1 else w.reshape(-1)
-        if arch == "llama" and kind_of(name) == "attn_q":
+        if arch == "llama" and kind == "attn_q":
             w = _unpermute(w, heads)
-        elif arch == "llama" and kind_of(name) == "attn_k":
+        elif arch == "llama" and kind == "attn_k":
             w = _unpermute(w, kv_heads)
         sd[hf] = torch.from_numpy(np.ascontiguousarray(w))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,7 +234,3 @@ def gguf_to_hf_folder(path: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 
-
-def kind_of(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    return parts[2] if gguf_name.startswith("blk.") and len(parts) > 2 else ""

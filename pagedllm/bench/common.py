@@ -66,6 +66,14 @@ def load_workload(name: str, num_requests: int, vocab_size: int, seed: int, toke
     raise ValueError(f"unknown workload {name!r}: mixed, shared-prefix or a .jsonl file")
 
 
+def make_report(bench: str, args, engine_kwargs: dict | None, **results) -> dict:  # noqa: ANN001
+    """Every number of a bench run with its configuration and the machine, as --json writes it."""
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    if engine_kwargs is not None:
+        config["engine"] = engine_kwargs
+    return {"bench": bench, "config": config, "machine": machine_info(), **results}
+
+
 def write_json(path: str | None, report: dict) -> None:
     if path:
         with open(path, "w") as f:

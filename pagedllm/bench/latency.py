@@ -9,7 +9,7 @@ import statistics
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .common import machine_info, now, write_json
+from .common import make_report, now, write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -51,9 +51,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     print(f"  time to first token  {summary['ttft_s'] * 1000:8.1f} ms  ({args.input_len / summary['ttft_s']:.0f} prompt tok/s)")
     print(f"  decode               {summary['decode_tokens_per_s']:8.1f} tokens/s")
     print(f"  end to end           {summary['e2e_s']:8.2f} s")
-    report = {"bench": "latency", "config": {**{k: v for k, v in vars(args).items() if k != "func"}, "engine": kw},
-              "machine": machine_info(), "runs": runs, "median": summary,
-              "prompt_tokens_per_s": args.input_len / summary["ttft_s"]}
+    report = make_report("latency", args, kw, runs=runs, median=summary,
+                         prompt_tokens_per_s=args.input_len / summary["ttft_s"])
     write_json(args.json, report)
     if args.plot:
         import matplotlib

@@ -8,7 +8,7 @@ import argparse
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .common import load_workload, machine_info, write_json
+from .common import load_workload, make_report, write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -50,9 +50,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     print(f"  peak KV paged        {peak_paged / mib:10.1f} MiB   utilization {summary['paged_utilization']:.1%}")
     print(f"  peak KV static       {peak_static / mib:10.1f} MiB   utilization {summary['static_utilization']:.1%}")
     print(f"  static / paged peak  {summary['static_over_paged_peak']:10.1f}x   peak concurrency {summary['peak_concurrency']}")
-    report = {"bench": "memory", "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                                            "engine": engine_kwargs},
-              "machine": machine_info(), "summary": summary, "series": series}
+    report = make_report("memory", args, engine_kwargs, summary=summary, series=series)
     write_json(args.json, report)
     if args.plot:
         import matplotlib

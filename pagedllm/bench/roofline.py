@@ -17,7 +17,7 @@ import torch
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .common import machine_info, now, write_json
+from .common import make_report, now, write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -88,8 +88,6 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     print(f"  memory floor   {bytes_floor * 1000:8.2f} ms  ({(step_weight_bytes + kv_bytes) / 2**20:.0f} MiB weights+KV)")
     print(f"  compute floor  {flop_floor * 1000:8.2f} ms")
     print(f"  achieved       {step * 1000:8.2f} ms  = {step / floor:.2f}x the floor, {args.batch / step:.0f} tokens/s")
-    report = {"bench": "roofline", "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                                              "engine": engine_kwargs},
-              "machine": machine_info(), "summary": summary, "step_times_s": times}
+    report = make_report("roofline", args, engine_kwargs, summary=summary, step_times_s=times)
     write_json(args.json, report)
     return report

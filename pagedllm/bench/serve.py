@@ -10,7 +10,7 @@ import random
 import statistics
 
 from ..workloads import WorkItem, mixed
-from .common import machine_info, now, write_json
+from .common import make_report, now, write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -107,8 +107,7 @@ def main(args: argparse.Namespace, _engine_kwargs: dict) -> dict:
         p = summary[key]
         if p["p50"] is not None:
             print(f"  {key[:-2]:5} ms  p50 {p['p50'] * 1000:9.1f}  p90 {p['p90'] * 1000:9.1f}  p99 {p['p99'] * 1000:9.1f}")
-    report = {"bench": "serve", "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
-              "machine": machine_info(), "summary": summary}
+    report = make_report("serve", args, None, summary=summary)
     write_json(args.json, report)
     if args.plot:
         import matplotlib

@@ -10,7 +10,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
 from ..workloads import WorkItem
-from .common import load_workload, machine_info, now, track_peak_rss, write_json
+from .common import load_workload, make_report, now, track_peak_rss, write_json
 
 log = logging.getLogger("pagedllm.bench")
 
@@ -116,9 +116,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     ours = rows[0]
     for r in rows[1:]:
         r["pagedllm_speedup"] = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
-    report = {"bench": "throughput", "config": {**{k: v for k, v in vars(args).items() if k != "func"},
-                                                "engine": engine_kwargs},
-              "machine": machine_info(), "results": rows}
+    report = make_report("throughput", args, engine_kwargs, results=rows)
     print_table(rows)
     write_json(args.json, report)
     if args.plot:

@@ -204,17 +204,13 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                 rid = f"{base}-{i}"
                 await engine.add(rid, p, params, priority=req.priority, cache_salt=req.cache_salt)
                 ids.append(rid)
-        except InvalidRequestError as e:
-            for rid in ids:
+        except BaseException as e:
+            for rid in ids:  # all or nothing: the prompts already queued are withdrawn
                 engine.abort(rid)
-            raise APIError(400, str(e)) from e
-        except QueueFullError as e:
-            for rid in ids:
-                engine.abort(rid)
-            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
-        except BaseException:
-            for rid in ids:
-                engine.abort(rid)
+            if isinstance(e, InvalidRequestError):
+                raise APIError(400, str(e)) from e
+            if isinstance(e, QueueFullError):
+                raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
             raise
         return ids
 

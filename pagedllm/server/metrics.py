@@ -21,25 +21,24 @@ class _StatsCollector:
         s = self.snapshot()
         if s is None:
             return
-        gauges = [("num_requests_running", "Requests in the running batch", s.num_running),
-                  ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
-                  ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", s.kv_usage),
-                  ("kv_cache_utilization_perc", "Live token slots / slots of used blocks", s.kv_utilization),
-                  ("kv_cache_blocks_total", "KV blocks in the pool", s.kv_blocks_total),
-                  ("kv_cache_blocks_used", "KV blocks in use", s.kv_blocks_used)]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(f"pagedllm:{name}", doc)
-            g.add_metric([], value)
-            yield g
-        counters = [("prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
-                    ("generation_tokens", "Tokens generated", s.generation_tokens),
-                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
-                    ("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits),
-                    ("num_preemptions", "Requests preempted (recomputed later)", s.num_preemptions)]
-        for name, doc, value in counters:
-            c = CounterMetricFamily(f"pagedllm:{name}", doc)
-            c.add_metric([], value)
-            yield c
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        families = [
+            (G, "num_requests_running", "Requests in the running batch", s.num_running),
+            (G, "num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+            (G, "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", s.kv_usage),
+            (G, "kv_cache_utilization_perc", "Live token slots / slots of used blocks", s.kv_utilization),
+            (G, "kv_cache_blocks_total", "KV blocks in the pool", s.kv_blocks_total),
+            (G, "kv_cache_blocks_used", "KV blocks in use", s.kv_blocks_used),
+            (C, "prompt_tokens", "Prompt tokens processed", s.prompt_tokens),
+            (C, "generation_tokens", "Tokens generated", s.generation_tokens),
+            (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            (C, "prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits),
+            (C, "num_preemptions", "Requests preempted (recomputed later)", s.num_preemptions),
+        ]
+        for family, name, doc, value in families:
+            m = family(f"pagedllm:{name}", doc)
+            m.add_metric([], value)
+            yield m
 
 
 class ServerMetrics:
