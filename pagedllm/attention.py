@@ -87,7 +87,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     p = meta.paged
     if p is not None:
         n = p.num_rows
-        meta.op(out[:n], q[:n].contiguous(), cache.k, cache.v, p.block_tables, p.row_seq, p.q_start, p.q_len,
+        meta.op(out[:n], q[:n], cache.k, cache.v, p.block_tables, p.row_seq, p.q_start, p.q_len,
                 p.ctx_len, scale, meta.sliding_window or 0)
     elif meta.num_decodes:
         nd = meta.num_decodes

@@ -119,7 +119,7 @@ class LLMEngine:
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark)
         self.runner = ModelRunner(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.runner.argmax)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         self.num_steps = 0

@@ -1,4 +1,4 @@
-"""Optional C++ kernels (paged attention, skinny linear), built on first use with torch's own
+"""Optional C++ kernels (paged attention, skinny linear, fused norm/rope/activation, argmax), built on first use with torch's own
 extension tooling and cached in TORCH_EXTENSIONS_DIR. If the build is not possible, or
 PAGEDLLM_NO_CPP=1, the pure-torch paths are used."""
 
@@ -26,6 +26,9 @@ class Ops:
     paged_attention: object
     skinny_linear: object
     silu_and_mul: object
+    rms_norm: object
+    rope_: object
+    argmax_rows: object
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None, max_rows: int = SKINNY_MAX_ROWS) -> Tensor:
         if x.shape[0] <= max_rows and x.dtype == weight.dtype == torch.float32:
@@ -43,7 +46,7 @@ def load_ops() -> Ops | None:
         src = Path(__file__).parent / "csrc" / "ops.cpp"
         mod = load(name="pagedllm_ops", sources=[str(src)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
                    verbose=False)
-        return Ops(mod.paged_attention, mod.skinny_linear, mod.silu_and_mul)
+        return Ops(mod.paged_attention, mod.skinny_linear, mod.silu_and_mul, mod.rms_norm, mod.rope_, mod.argmax_rows)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None

@@ -33,6 +33,7 @@ class ModelRunner:
                        for _ in range(cfg.num_layers)]
         ops = load_ops() if self.dtype == torch.float32 else None
         model.set_ops(ops)
+        self.argmax = ops.argmax_rows if ops is not None else None
         plain_fp32_cache = cache_factory is KVCache and kv_dtype == torch.float32
         self.op = ops.paged_attention if ops is not None and plain_fp32_cache else None
 

@@ -3,6 +3,7 @@ min-p sampling with per-request generators, and top-k logprobs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,10 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """argmax: row-wise first argmax of fp32 logits (the C++ op: torch's takes ~2.7 ms on 64 x 49k)."""
         self.generator = torch.Generator().manual_seed(seed)
+        self._argmax = argmax or (lambda x: x.argmax(-1))
         self._req_generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
@@ -36,14 +39,19 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                eos_ids: set[int]) -> list[SampleResult]:
         """logits: [R, V] fp32; the i-th request samples from row rows[i]."""
-        logits = logits[torch.tensor(rows)] if rows != list(range(len(rows))) else logits.clone()
-        raw = logits.clone() if any(r.params.logprobs is not None for r in reqs) else None
-        for i, req in enumerate(reqs):
-            self._process(logits[i], req, eos_ids)
+        if rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows)]
+        processed = [i for i, r in enumerate(reqs) if self._needs_processing(r, eos_ids)]
+        raw = logits if any(r.params.logprobs is not None for r in reqs) else None
+        if processed:  # in place on a copy: raw logits stay intact for logprobs
+            logits = logits.clone()
+            for i in processed:
+                self._process(logits[i], reqs[i], eos_ids)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         out_ids = [0] * len(reqs)
         if greedy:
-            for i, t in zip(greedy, logits[greedy].argmax(-1).tolist()):
+            picked = self._argmax(logits if len(greedy) == len(reqs) else logits[greedy])
+            for i, t in zip(greedy, picked.tolist()):
                 out_ids[i] = t
         for i, req in enumerate(reqs):
             if not req.params.greedy:
@@ -68,6 +76,20 @@ class Sampler:
         return results
 
     @staticmethod
+    def _banned(req: Request, eos_ids: set[int], vocab_size: int) -> list[int]:
+        """Tokens that may not end the output yet (min_tokens)."""
+        p = req.params
+        if len(req.output_token_ids) >= p.min_tokens:
+            return []
+        return [t for t in ({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids) if 0 <= t < vocab_size]
+
+    @staticmethod
+    def _needs_processing(req: Request, eos_ids: set[int]) -> bool:
+        p = req.params
+        return (p.repetition_penalty != 1.0 or bool(req.output_token_ids and (p.presence_penalty or p.frequency_penalty))
+                or len(req.output_token_ids) < p.min_tokens)
+
+    @staticmethod
     def _process(row: torch.Tensor, req: Request, eos_ids: set[int]) -> None:
         """In place on one row of logits [V]."""
         p = req.params
@@ -79,11 +101,9 @@ class Sampler:
         if out and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(out).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-        if len(out) < p.min_tokens:
-            banned = [t for t in ({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids)
-                      if 0 <= t < row.shape[0]]
-            if banned:
-                row[banned] = float("-inf")
+        banned = Sampler._banned(req, eos_ids, row.shape[0])
+        if banned:
+            row[banned] = float("-inf")
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> int:
         p = req.params

@@ -97,5 +97,9 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
         llm.engine.runner.op = None
         together = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]
+        # and so do the pure-torch norm / rope / activation / linear paths (no C++ ops at all)
+        llm.engine.runner.model.set_ops(None)
+        together = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]
     stats = llm.stats()
     assert stats.kv_blocks_used == 0 and stats.num_running == 0

@@ -1,3 +1,7 @@
+// CPU kernels for the fp32 hot paths: attention that reads K/V straight from the paged pool (no
+// gathered copy of the context), a weight-streaming linear for few rows, fused RMSNorm (+ residual
+// add), rotary embedding, silu_and_mul, and a row argmax.
+//
 // Attention that reads K/V straight from the paged pool: no gathered copy of the context.
 //
 // One work item = one query token, all heads: each K/V slot row (all KV heads, contiguous) is read
@@ -122,6 +126,8 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
   const float fscale = static_cast<float>(scale);
 
   TORCH_CHECK(H <= 128, "at most 128 heads");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "q rows must hold their heads contiguously");
+  const int64_t q_stride = q.stride(0);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(H * D);
@@ -134,7 +140,7 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
       scores.resize(H * n);
       float* __restrict sc = scores.data();
       const int64_t* table = bt + s * MAXB;
-      const float* qrow = qp + r * H * D;
+      const float* qrow = qp + r * q_stride;
       for (int64_t h = 0; h < H; ++h) mx[h] = -std::numeric_limits<float>::max();
       for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
         const float* kblock = kp + table[t0 / BS] * BS * row_stride;
@@ -199,7 +205,91 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// RMSNorm of each row of x, times w. With `residual`: residual += x first (in place), and the
+// norm is taken of the sum, the pre-norm residual stream of a decoder layer in one pass.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.size(0) == x.size(1), "rms_norm: expects contiguous [M, N]");
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "rms_norm: residual must match x");
+    rp = residual->data_ptr<float>();
+  }
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* src = xp + m * N;
+      if (rp) {
+        float* r = rp + m * N;
+        for (int64_t i = 0; i < N; ++i) r[i] += src[i];
+        src = r;
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < N; ++i) ss += src[i] * src[i];
+      const float inv = 1.f / std::sqrt(ss / N + static_cast<float>(eps));
+      float* o = op + m * N;
+      for (int64_t i = 0; i < N; ++i) o[i] = src[i] * inv * wp[i];
+    }
+  });
+  return out;
+}
+
+// Rotary embedding (rotate-half form) in place on the q and k heads at the start of each qkv row:
+// x[i], x[i + D/2] <- x[i] c[i] - x[i + D/2] s[i], x[i + D/2] c[i] + x[i] s[i], where cos/sin are
+// [T, D/2] tables of the rows' positions.
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= num_heads * head_dim, "rope_: bad qkv");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) * 2 == head_dim, "rope_: bad tables");
+  const int64_t T = qkv.size(0), half = head_dim / 2, stride = qkv.stride(0);
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x = xp + t * stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * c[i] - b * s[i];
+          x[i + half] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
+// Index of the first maximum of each row (torch.argmax), one row per task.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "argmax_rows: expects [M, N] with contiguous rows");
+  const int64_t M = x.size(0), N = x.size(1);
+  auto out = torch::empty({M}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* r = xp + m * x.stride(0);
+      float best = r[0];
+      int64_t idx = 0;
+      for (int64_t i = 1; i < N; ++i)
+        if (r[i] > best) {
+          best = r[i];
+          idx = i;
+        }
+      op[m] = idx;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally after residual += x (fp32, CPU)");
+  m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
+  m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, CPU)");
   m.def("skinny_linear", &skinny_linear, "x @ w.T (+ b) for a few rows of x (fp32, CPU)");

@@ -103,11 +103,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ops: Ops | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(residual + x), residual + x); without a residual, x is the residual stream.
+        The C++ op adds in place into `residual` and normalizes in the same pass."""
+        if ops is not None:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps, None), x
+            return ops.rms_norm(x, self.weight, self.eps, residual), residual
+        if residual is not None:
+            x = x + residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype), x
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -135,26 +144,32 @@ class DecoderLayer(nn.Module):
             return layer(x)
         return self.ops.linear(x, layer.weight, layer.bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input delta, residual: the stream before it (None at layer 0).
+        cos, sin: [T, D / 2] with the C++ ops, else [T, 1, D]. Returns (mlp output, residual)."""
         t = x.shape[0]
-        h = self.input_layernorm(x)
+        h, residual = self.input_layernorm(x, residual, self.ops)
         qkv = self._linear(h, self.qkv_proj)  # [T, q_size + 2 * kv_size]
+        if self.ops is not None:
+            self.ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
-        k = k * cos + rotate_half(k) * sin
+        if self.ops is None:
+            q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
+            k = k * cos + rotate_half(k) * sin
         a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
-        x = x + self._linear(a.reshape(t, self.q_size), self.o_proj)
-        gate_up = self._linear(self.post_attention_layernorm(x), self.gate_up_proj)  # [T, 2 * intermediate]
-        if self.ops is not None and gate_up.dtype == torch.float32:
+        h, residual = self.post_attention_layernorm(self._linear(a.view(t, self.q_size), self.o_proj), residual,
+                                                    self.ops)
+        gate_up = self._linear(h, self.gate_up_proj)  # [T, 2 * intermediate]
+        if self.ops is not None:
             act = self.ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return x + self._linear(act, self.down_proj)
+        return self._linear(act, self.down_proj), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
             freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.cfg))
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
             self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        if self.ops is not None:  # the C++ op reads the first half of each (duplicated) table row
+            half = self._cos.shape[1] // 2
+            return self._cos[positions, :half], self._sin[positions, :half]  # [T, D / 2]
         cos = self._cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].to(dtype).unsqueeze(1)
         return cos, sin
@@ -195,9 +213,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
-        x = self.norm(x[logits_indices])  # only the rows we sample from reach the lm_head
+            x, residual = layer(x, residual, cos, sin, cache, meta)
+        # only the rows we sample from reach the final norm and the lm_head
+        x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
         if self.ops is not None:
             return self.ops.linear(x, self.lm_head.weight, None, max_rows=SKINNY_MAX_ROWS_LM_HEAD)
         return self.lm_head(x).float()
