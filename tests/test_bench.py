@@ -108,3 +108,38 @@ def test_serve_bench(chat_model_dir, tmp_path):  # noqa: ANN001
             assert s[k]["p50"] <= s[k]["p90"] <= s[k]["p99"]
     finally:
         srv.stop()
+
+
+def test_f32_gguf_for_llamacpp_keeps_metadata_and_weights(tmp_path, monkeypatch):  # noqa: ANN001
+    """The llama.cpp baseline's weights: the default GGUF with each tensor dequantized, all else kept."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from pagedllm.bench.llamacpp import f32_gguf
+    from pagedllm.loader import default_model_path
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    src = GGUFReader(str(default_model_path()))
+    out = GGUFReader(str(f32_gguf(default_model_path())))
+    assert out.fields["general.file_type"].contents() == 0
+    for key in ("general.architecture", "tokenizer.ggml.tokens", "tokenizer.chat_template", "llama.block_count"):
+        assert out.fields[key].contents() == src.fields[key].contents()
+    assert [t.name for t in out.tensors] == [t.name for t in src.tensors]
+    assert all(t.tensor_type == GGMLQuantizationType.F32 for t in out.tensors)
+    a, b = src.tensors[5], out.tensors[5]
+    assert list(a.shape) == list(b.shape)
+    assert np.array_equal(dequantize(a.data, a.tensor_type).reshape(-1), np.asarray(b.data).reshape(-1))
+
+
+def test_llamacpp_baseline_needs_its_package(llama_dir):  # noqa: ANN001
+    pytest.importorskip("gguf")
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "latency", "--model", llama_dir,
+                            "--input-len", "8", "--output-len", "2", "--num-iters", "1", "--baseline", "llama-cpp",
+                            "--no-progress"], capture_output=True, text=True, timeout=600)
+        assert r.returncode != 0 and "pip install llama-cpp-python" in r.stderr
+    else:
+        pytest.skip("llama-cpp-python is installed here")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import load_ops
+from pagedllm.kernels import load_ops, pack_weight, pad_bias, unpack_weight
 from pagedllm.models.llama import rotate_half
 
 
@@ -17,12 +17,18 @@ def ops():  # noqa: ANN201
     return ops
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 64, 200])
-def test_skinny_linear(ops, rows):  # noqa: ANN001
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 64, 200])
+@pytest.mark.parametrize("out_features", [48, 70, 96])
+def test_packed_linear(ops, rows, out_features):  # noqa: ANN001
+    """Full and partial 48-column panels, full and partial 8-row tiles, with and without bias."""
     g = torch.Generator().manual_seed(rows)
-    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
-    torch.testing.assert_close(ops.skinny_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(ops.skinny_linear(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    x, w = torch.randn(rows, 40, generator=g), torch.randn(out_features, 40, generator=g)
+    b = torch.randn(out_features, generator=g)
+    packed = pack_weight(w)
+    assert packed.shape == (-(-out_features // 48), 40, 48)
+    assert torch.equal(unpack_weight(packed, out_features), w)
+    torch.testing.assert_close(ops.packed_linear(x, packed, pad_bias(b), out_features), F.linear(x, w, b))
+    torch.testing.assert_close(ops.packed_linear(x, packed, None, out_features), F.linear(x, w))
 
 
 def test_rms_norm_with_and_without_residual(ops):  # noqa: ANN001

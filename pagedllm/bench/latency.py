@@ -17,11 +17,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--baseline", default="none", choices=["none", "llama-cpp"],
+                   help="llama-cpp: the same prompts through llama.cpp on the same weights in F32")
+
+
+def prompt_ids(vocab_size: int, input_len: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(input_len)]
 
 
 def measure(engine: LLMEngine, input_len: int, output_len: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    ids = [rng.randrange(engine.model_config.vocab_size) for _ in range(input_len)]
+    ids = prompt_ids(engine.model_config.vocab_size, input_len, seed)
     engine.add_request(None, {"prompt_token_ids": ids},
                        SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     t0 = now()
@@ -46,13 +52,29 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     for i in range(args.num_iters_warmup):
         measure(engine, args.input_len, min(args.output_len, 8), args.seed + 1000 + i)
     runs = [measure(engine, args.input_len, args.output_len, args.seed + i) for i in range(args.num_iters)]
-    summary = {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "decode_tokens_per_s", "e2e_s")}
+    keys = ("ttft_s", "decode_tokens_per_s", "e2e_s")
+    summary = {k: statistics.median(r[k] for r in runs) for k in keys}
+    rows = {"pagedllm": summary}
+    baseline_runs = None
+    if args.baseline == "llama-cpp":
+        from .llamacpp import LlamaCpp
+
+        vocab = engine.model_config.vocab_size
+        del engine  # one model in memory at a time
+        lc = LlamaCpp(kw.get("model"), args.input_len + args.output_len + 8)
+        for i in range(args.num_iters_warmup):
+            lc.measure(prompt_ids(vocab, args.input_len, args.seed + 1000 + i), min(args.output_len, 8))
+        baseline_runs = [lc.measure(prompt_ids(vocab, args.input_len, args.seed + i), args.output_len)
+                         for i in range(args.num_iters)]
+        rows["llama.cpp (F32)"] = {k: statistics.median(r[k] for r in baseline_runs) for k in keys}
     print(f"input {args.input_len} tokens, output {args.output_len} tokens, {args.num_iters} runs (median):")
-    print(f"  time to first token  {summary['ttft_s'] * 1000:8.1f} ms  ({args.input_len / summary['ttft_s']:.0f} prompt tok/s)")
-    print(f"  decode               {summary['decode_tokens_per_s']:8.1f} tokens/s")
-    print(f"  end to end           {summary['e2e_s']:8.2f} s")
+    print(f"  {'':16s} {'TTFT ms':>9s} {'prompt tok/s':>13s} {'decode tok/s':>13s} {'e2e s':>7s}")
+    for name, r in rows.items():
+        print(f"  {name:16s} {r['ttft_s'] * 1000:9.1f} {args.input_len / r['ttft_s']:13.0f} "
+              f"{r['decode_tokens_per_s']:13.1f} {r['e2e_s']:7.2f}")
     report = make_report("latency", args, kw, runs=runs, median=summary,
-                         prompt_tokens_per_s=args.input_len / summary["ttft_s"])
+                         prompt_tokens_per_s=args.input_len / summary["ttft_s"], baseline_runs=baseline_runs,
+                         medians=rows)
     write_json(args.json, report)
     if args.plot:
         import matplotlib
@@ -61,10 +83,11 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(1, 2, figsize=(8, 3.5))
-        ax[0].bar(range(len(runs)), [r["ttft_s"] * 1000 for r in runs])
-        ax[0].set_title("time to first token (ms)")
-        ax[1].bar(range(len(runs)), [r["decode_tokens_per_s"] for r in runs], color="tab:green")
-        ax[1].set_title("decode tokens/s")
+        names = list(rows)
+        ax[0].bar(names, [rows[n]["ttft_s"] * 1000 for n in names])
+        ax[0].set_title(f"time to first token, {args.input_len} tokens (ms)")
+        ax[1].bar(names, [rows[n]["decode_tokens_per_s"] for n in names], color="tab:green")
+        ax[1].set_title("decode tokens/s (median)")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         plt.close(fig)

@@ -1,5 +1,5 @@
 // CPU kernels for the fp32 hot paths: attention that reads K/V straight from the paged pool (no
-// gathered copy of the context), a weight-streaming linear for few rows, fused RMSNorm (+ residual
+// gathered copy of the context), a linear over panel-packed weights, fused RMSNorm (+ residual
 // add), rotary embedding, silu_and_mul, and a row argmax.
 //
 // Attention that reads K/V straight from the paged pool: no gathered copy of the context.
@@ -38,64 +38,81 @@ static inline float dot(const float* __restrict a, const float* __restrict b, in
   return s;
 }
 
-static inline float hsum(v8f a) { return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7]; }
+typedef float v16f __attribute__((vector_size(64)));
 
-// y = x w^T (+ b) for a few rows of x: weight rows are streamed once from memory, four at a time,
-// and dotted with the rows of x (two at a time: 8 accumulators, 6 loads per 8 FMAs) while they sit
-// in L1. For small M this runs at memory bandwidth, where MKL's sgemm takes 2-3x longer on these
-// shapes (measured: 30 layers of SmolLM2 at M=1, 35 -> 14 ms).
-torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: shape mismatch");
-  TORCH_CHECK(w.is_contiguous(), "skinny_linear: weight must be contiguous");
+static inline v16f load16(const float* p) {
+  v16f v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+constexpr int64_t NR = 48;  // output columns per weight panel: three 16-float vectors
+
+// An R x 48 tile of y = x w^T + b: w is packed once at load time as panels [P, K, 48] (column block
+// p of w^T, zero-padded), so the inner loop streams one contiguous panel and does 3R FMAs per 3
+// vector loads and R broadcasts of x, with the 3R accumulators in registers and no horizontal
+// sums. Measured on SmolLM2's shapes: ~205-215 GFLOP/s at 64..2048 rows where MKL's sgemm on the
+// plain [O, K] weights gives 130-190, and weight-streaming speed at one row.
+template <int R>
+static inline void linear_tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
+                               int64_t cols) {
+  v16f acc[R][3];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 3; ++j) acc[i][j] = bias ? load16(bias + j * 16) : v16f{0};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* pk = panel + k * NR;
+    const v16f w0 = load16(pk), w1 = load16(pk + 16), w2 = load16(pk + 32);
+    for (int i = 0; i < R; ++i) {
+      const float xv = x[i * K + k];
+      acc[i][0] += xv * w0;
+      acc[i][1] += xv * w1;
+      acc[i][2] += xv * w2;
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    if (cols == NR) {
+      for (int j = 0; j < 3; ++j) store16(y + i * O + j * 16, acc[i][j]);
+    } else {  // the last, partial panel
+      float tmp[NR];
+      for (int j = 0; j < 3; ++j) store16(tmp + j * 16, acc[i][j]);
+      for (int64_t c = 0; c < cols; ++c) y[i * O + c] = tmp[c];
+    }
+  }
+}
+
+// y [M, O] = x [M, K] w^T + b, with w packed [P, K, 48] and b padded to P * 48. One task = one panel.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == NR && x.size(1) == w.size(1) && w.is_contiguous(),
+              "packed_linear: expects x [M, K] and a packed weight [P, K, 48]");
+  TORCH_CHECK(O <= w.size(0) * NR, "packed_linear: more outputs than panels");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), P = w.size(0);
   auto out = torch::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t K8 = K - K % 8;
-  at::parallel_for(0, (O + 3) / 4, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t ob = begin; ob < end; ++ob) {
-      const int64_t o0 = ob * 4;
-      if (o0 + 4 > O || K8 != K) {  // ragged edge: plain dots
-        for (int64_t o = o0; o < std::min(O, o0 + 4); ++o)
-          for (int64_t m = 0; m < M; ++m) op[m * O + o] = dot(xp + m * K, wp + o * K, K) + (bp ? bp[o] : 0.f);
-        continue;
-      }
-      const float* w0 = wp + o0 * K;
-      const float* w1 = w0 + K;
-      const float* w2 = w1 + K;
-      const float* w3 = w2 + K;
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = wp + p * K * NR;
+      const float* pb = bp ? bp + p * NR : nullptr;
+      const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
       int64_t m = 0;
-      for (; m + 2 <= M; m += 2) {
-        const float* xa = xp + m * K;
-        const float* xb = xa + K;
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-        for (int64_t k = 0; k < K; k += 8) {
-          const v8f va = load8(xa + k), vb = load8(xb + k);
-          const v8f c0 = load8(w0 + k), c1 = load8(w1 + k), c2 = load8(w2 + k), c3 = load8(w3 + k);
-          a0 += va * c0; a1 += va * c1; a2 += va * c2; a3 += va * c3;
-          b0 += vb * c0; b1 += vb * c1; b2 += vb * c2; b3 += vb * c3;
-        }
-        float* ya = op + m * O + o0;
-        float* yb = ya + O;
-        ya[0] = hsum(a0); ya[1] = hsum(a1); ya[2] = hsum(a2); ya[3] = hsum(a3);
-        yb[0] = hsum(b0); yb[1] = hsum(b1); yb[2] = hsum(b2); yb[3] = hsum(b3);
+      for (; m + 8 <= M; m += 8) linear_tile<8>(xp + m * K, K, panel, pb, op + m * O + c0, O, cols);
+      const float* xr = xp + m * K;
+      float* yr = op + m * O + c0;
+      switch (M - m) {
+        case 7: linear_tile<7>(xr, K, panel, pb, yr, O, cols); break;
+        case 6: linear_tile<6>(xr, K, panel, pb, yr, O, cols); break;
+        case 5: linear_tile<5>(xr, K, panel, pb, yr, O, cols); break;
+        case 4: linear_tile<4>(xr, K, panel, pb, yr, O, cols); break;
+        case 3: linear_tile<3>(xr, K, panel, pb, yr, O, cols); break;
+        case 2: linear_tile<2>(xr, K, panel, pb, yr, O, cols); break;
+        case 1: linear_tile<1>(xr, K, panel, pb, yr, O, cols); break;
+        default: break;
       }
-      for (; m < M; ++m) {
-        const float* xa = xp + m * K;
-        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t k = 0; k < K; k += 8) {
-          const v8f va = load8(xa + k);
-          a0 += va * load8(w0 + k); a1 += va * load8(w1 + k); a2 += va * load8(w2 + k); a3 += va * load8(w3 + k);
-        }
-        float* ya = op + m * O + o0;
-        ya[0] = hsum(a0); ya[1] = hsum(a1); ya[2] = hsum(a2); ya[3] = hsum(a3);
-      }
-      if (bp)
-        for (int64_t mm = 0; mm < M; ++mm)
-          for (int64_t j = 0; j < 4; ++j) op[mm * O + o0 + j] += bp[o0 + j];
     }
   });
   return out;
@@ -292,5 +309,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, CPU)");
-  m.def("skinny_linear", &skinny_linear, "x @ w.T (+ b) for a few rows of x (fp32, CPU)");
+  m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }

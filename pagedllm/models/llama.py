@@ -16,7 +16,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..errors import ModelLoadError
-from ..kernels import SKINNY_MAX_ROWS_LM_HEAD, Ops
+from ..kernels import Ops, pack_weight, pad_bias, unpack_weight
 from ..kv_cache import KVCache
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if self.ops is None:
             return layer(x)
-        return self.ops.linear(x, layer.weight, layer.bias)
+        return self.ops.linear(x, layer)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,11 +187,28 @@ class LlamaForCausalLM(nn.Module):
         self._rope_len = 0
         self.ops: Ops | None = None
 
+    def _linears(self) -> list[nn.Linear]:
+        per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
+        return [lin for group in per_layer for lin in group] + [self.lm_head]
+
     def set_ops(self, ops: Ops | None) -> None:
-        """Use the C++ kernels (fp32 only) for small-batch linears."""
+        """Use the C++ kernels (fp32 only). Their linear reads weights packed in column panels; the
+        plain [out, in] copies are dropped (and rebuilt from the panels if the ops are turned off),
+        except a tied lm_head's, which is the embedding table."""
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
+        for lin in self._linears():
+            packed = getattr(lin, "packed_weight", None)
+            if ops is not None and packed is None:
+                lin.packed_weight = pack_weight(lin.weight.data)
+                lin.packed_bias = pad_bias(lin.bias.data) if lin.bias is not None else None
+                if lin.weight is not self.embed_tokens.weight:
+                    lin.weight.data = lin.weight.data.new_empty(0)
+            elif ops is None and packed is not None:
+                if lin.weight is not self.embed_tokens.weight:
+                    lin.weight.data = unpack_weight(packed, lin.out_features)
+                lin.packed_weight = lin.packed_bias = None
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -219,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
         if self.ops is not None:
-            return self.ops.linear(x, self.lm_head.weight, None, max_rows=SKINNY_MAX_ROWS_LM_HEAD)
+            return self.ops.linear(x, self.lm_head)
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
