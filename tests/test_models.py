@@ -103,3 +103,17 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
         assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]
     stats = llm.stats()
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
+
+
+def test_packed_weights_keep_the_model_shape_accounting(tiny_models):  # noqa: ANN001
+    """With the C++ ops the linears hold panel-packed copies; counts and the torch path survive it."""
+    path, hf = tiny_models["llama"]
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=16))
+    model = engine.runner.model
+    assert model.ops is not None and model.layers[0].qkv_proj.weight.numel() == 0
+    hf_linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
+    assert model.matmul_params() == hf_linear
+    model.set_ops(None)  # unpacked back to [out, in], bit for bit
+    q, k = hf.model.layers[0].self_attn.q_proj.weight, hf.model.layers[0].self_attn.k_proj.weight
+    assert model.layers[0].qkv_proj.weight.shape == (q.shape[0] + 2 * k.shape[0], q.shape[1])
+    assert torch.equal(model.layers[0].qkv_proj.weight[:q.shape[0]], q.detach())

@@ -51,13 +51,10 @@ def measure_matmul(n: int = 2048, reps: int = 5) -> float:
 def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False}))
     model = engine.runner.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    n_params = sum(p.numel() for p in model.parameters())
-    emb = model.embed_tokens.weight
-    # the embedding table is only gathered (B rows), except when tied it is also the lm_head
-    gathered_only = 0 if model.cfg.tie_word_embeddings else emb.numel() * emb.element_size()
-    step_weight_bytes = weight_bytes - gathered_only
-    matmul_params = n_params - (emb.numel() if not model.cfg.tie_word_embeddings else 0)
+    # counted from the module shapes: with the C++ ops the linears hold packed copies, not .weight
+    elem = model.embed_tokens.weight.element_size()
+    step_weight_bytes = model.step_weight_numel() * elem
+    matmul_params = model.matmul_params()
     bw, flops = measure_bandwidth(), measure_matmul()
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size

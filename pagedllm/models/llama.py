@@ -191,6 +191,16 @@ class LlamaForCausalLM(nn.Module):
         per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
         return [lin for group in per_layer for lin in group] + [self.lm_head]
 
+    def matmul_params(self) -> int:
+        """Weights every token multiplies through (all linears, lm_head included), however stored."""
+        return sum(lin.in_features * lin.out_features for lin in self._linears())
+
+    def step_weight_numel(self) -> int:
+        """Weights one decode step reads: the linears, their biases and the norms (not the embedding
+        table, of which a step gathers a few rows, unless it is the tied lm_head, counted above)."""
+        others = sum(p.numel() for name, p in self.named_parameters() if "norm" in name or name.endswith("bias"))
+        return self.matmul_params() + others
+
     def set_ops(self, ops: Ops | None) -> None:
         """Use the C++ kernels (fp32 only). Their linear reads weights packed in column panels; the
         plain [out, in] copies are dropped (and rebuilt from the panels if the ops are turned off),
