@@ -34,8 +34,8 @@ class ModelRunner:
         ops = load_ops() if self.dtype == torch.float32 else None
         model.set_ops(ops)
         self.argmax = ops.argmax_rows if ops is not None else None
-        plain_fp32_cache = cache_factory is KVCache and kv_dtype == torch.float32
-        self.op = ops.paged_attention if ops is not None and plain_fp32_cache else None
+        plain_cache = cache_factory is KVCache and kv_dtype in (torch.float32, torch.bfloat16)
+        self.op = ops.paged_attention if ops is not None and plain_cache else None
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False) -> StepResult:
         """all_logits: logits of every scheduled token (scoring), not just the sampled rows."""

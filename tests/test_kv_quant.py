@@ -64,3 +64,15 @@ def test_default_model_fp8_perplexity_within_2_percent():
         assert len(ids) >= 2000
         ppl[kv] = perplexity(llm.engine, ids, chunk=1024)
     assert ppl["fp8_e4m3"] / ppl["float32"] - 1 < 0.02, ppl
+
+
+def test_bf16_pool_through_the_cpp_op_equals_the_torch_path(llama_dir):  # noqa: ANN001
+    """The C++ attention widens bf16 pool rows to fp32; the torch path gathers and converts them."""
+    ids = [(i * 37 + i * i * 11) % 320 for i in range(300)]
+    with_op = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16)
+    without = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16)
+    assert with_op.engine.runner.op is not None
+    without.engine.runner.op = None
+    a = torch.cat([lg for _, lg in chunk_logits(with_op.engine, ids, chunk=64)])
+    b = torch.cat([lg for _, lg in chunk_logits(without.engine, ids, chunk=64)])
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -118,10 +119,38 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return out;
 }
 
-void paged_attention(torch::Tensor out,           // [T, H, D] fp32
+// A pool row as fp32: fp32 rows are read in place, bf16 rows (the top half of an fp32) are widened
+// into a small thread-local buffer, so a bf16 pool streams half the bytes through the same loops.
+static inline const float* as_float(const float* src, int64_t, float*) { return src; }
+
+template <int ND>
+static inline float dot16(const float* a, const float* b) {
+  v16f acc = load16(a) * load16(b);
+  for (int j = 1; j < ND; ++j) acc += load16(a + 16 * j) * load16(b + 16 * j);
+  const v8f h = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  return h[0] + h[1] + h[2] + h[3] + h[4] + h[5] + h[6] + h[7];
+}
+
+template <int ND>
+static inline void axpy16(float* y, float p, const float* x) {
+  for (int j = 0; j < ND; ++j) store16(y + 16 * j, load16(y + 16 * j) + p * load16(x + 16 * j));
+}
+
+static inline const float* as_float(const uint16_t* src, int64_t n, float* buf) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
+    __builtin_memcpy(buf + i, &bits, sizeof(float));
+  }
+  return buf;
+}
+
+// E: pool element, float or uint16_t (bf16 bits); ND = D / 16 for 16-wide dots (0: any D)
+template <typename E, int ND>
+static void paged_attention_impl(torch::Tensor out,           // [T, H, D] fp32
                      torch::Tensor q,             // [T, H, D] fp32
-                     torch::Tensor k_cache,       // [NB, BS, KVH, D] fp32
-                     torch::Tensor v_cache,       // [NB, BS, KVH, D] fp32
+                     torch::Tensor k_cache,       // [NB, BS, KVH, D] fp32 or bf16
+                     torch::Tensor v_cache,       // [NB, BS, KVH, D]
                      torch::Tensor block_tables,  // [S, MAXB] int64
                      torch::Tensor row_seq,       // [T] int64: sequence of each query row
                      torch::Tensor q_start,       // [S] int64: first row of each sequence
@@ -131,8 +160,8 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH, MAXB = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const E* kp = reinterpret_cast<const E*>(k_cache.data_ptr());
+  const E* vp = reinterpret_cast<const E*>(v_cache.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* rs = row_seq.data_ptr<int64_t>();
@@ -147,7 +176,7 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
   const int64_t q_stride = q.stride(0);
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(H * D);
+    std::vector<float> acc(H * D), kbuf(row_stride), vbuf(row_stride);
     float mx[128], inv[128];
     for (int64_t r = begin; r < end; ++r) {
       const int64_t s = rs[r];
@@ -160,12 +189,12 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
       const float* qrow = qp + r * q_stride;
       for (int64_t h = 0; h < H; ++h) mx[h] = -std::numeric_limits<float>::max();
       for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
-        const float* kblock = kp + table[t0 / BS] * BS * row_stride;
+        const E* kblock = kp + table[t0 / BS] * BS * row_stride;
         const int64_t a = std::max(t0, lo), b = std::min(t0 + BS, hi);
         for (int64_t t = a; t < b; ++t) {
-          const float* krow = kblock + (t - t0) * row_stride;
+          const float* krow = as_float(kblock + (t - t0) * row_stride, row_stride, kbuf.data());
           for (int64_t h = 0; h < H; ++h) {
-            const float v = dot(qrow + h * D, krow + (h / G) * D, D) * fscale;
+            const float v = (ND ? dot16<ND>(qrow + h * D, krow + (h / G) * D) : dot(qrow + h * D, krow + (h / G) * D, D)) * fscale;
             sc[h * n + (t - lo)] = v;
             mx[h] = v > mx[h] ? v : mx[h];
           }
@@ -184,15 +213,18 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
       float* __restrict ac = acc.data();
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
-        const float* vblock = vp + table[t0 / BS] * BS * row_stride;
+        const E* vblock = vp + table[t0 / BS] * BS * row_stride;
         const int64_t a = std::max(t0, lo), b = std::min(t0 + BS, hi);
         for (int64_t t = a; t < b; ++t) {
-          const float* __restrict vrow = vblock + (t - t0) * row_stride;
+          const float* __restrict vrow = as_float(vblock + (t - t0) * row_stride, row_stride, vbuf.data());
           for (int64_t h = 0; h < H; ++h) {
             const float p = sc[h * n + (t - lo)];
             const float* __restrict vh = vrow + (h / G) * D;
             float* __restrict ag = ac + h * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * vh[d];
+            if (ND)
+              axpy16<ND>(ag, p, vh);
+            else
+              for (int64_t d = 0; d < D; ++d) ag[d] += p * vh[d];
           }
         }
       }
@@ -201,6 +233,31 @@ void paged_attention(torch::Tensor out,           // [T, H, D] fp32
         for (int64_t d = 0; d < D; ++d) orow[h * D + d] = ac[h * D + d] * inv[h];
     }
   });
+}
+
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
+                     torch::Tensor ctx_len, double scale, int64_t window) {
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: K and V pools must be contiguous and of one dtype");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || k_cache.scalar_type() == torch::kFloat32, "paged_attention: the pool must be float32 or bfloat16");
+  auto run = [&](auto nd) {
+    constexpr int ND = decltype(nd)::value;
+    if (bf16)
+      paged_attention_impl<uint16_t, ND>(out, q, k_cache, v_cache, block_tables, row_seq, q_start, q_len, ctx_len, scale,
+                                         window);
+    else
+      paged_attention_impl<float, ND>(out, q, k_cache, v_cache, block_tables, row_seq, q_start, q_len, ctx_len, scale,
+                                      window);
+  };
+  switch (q.size(2)) {
+    case 16: run(std::integral_constant<int, 1>{}); break;
+    case 32: run(std::integral_constant<int, 2>{}); break;
+    case 64: run(std::integral_constant<int, 4>{}); break;
+    case 128: run(std::integral_constant<int, 8>{}); break;
+    default: run(std::integral_constant<int, 0>{}); break;
+  }
 }
 
 // silu(gate) * up for gate_up = [gate | up] rows: one pass instead of three (silu, chunk, mul)
@@ -308,6 +365,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
-  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, CPU)");
+  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32 or bf16 pool, fp32 math, CPU)");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }
