@@ -4,7 +4,7 @@ The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for
 Each step the new tokens' K/V are written to their slots (block_id * block_size + offset), then
 every sequence attends over its own blocks. The rows of a step are ordered:
 1. "paged" rows: decodes and prefill chunks that start mid-sequence. They attend over the pool.
-   With the C++ op (fp32 model, fp32 or bf16 pool) all of them go through one call that reads K/V rows straight
+   With the C++ op (fp32 model; fp32, bf16 or fp8 pool) all of them go through one call that reads K/V rows straight
    from their blocks. Otherwise (pure torch): decodes are batched over gathered blocks masked by
    context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
 2. fresh prompts (nothing cached before them): plain causal attention on their own new K/V.
@@ -87,8 +87,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     p = meta.paged
     if p is not None:
         n = p.num_rows
-        meta.op(out[:n], q[:n], cache.k, cache.v, p.block_tables, p.row_seq, p.q_start, p.q_len,
-                p.ctx_len, scale, meta.sliding_window or 0)
+        k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+        meta.op(out[:n], q[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
+                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut)
     elif meta.num_decodes:
         nd = meta.num_decodes
         kc, vc = cache.gather(meta.decode_block_tables)  # [B, L, KVH, D]

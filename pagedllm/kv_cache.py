@@ -25,6 +25,11 @@ class KVCache:
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k.to(self.k.dtype))
         self.v.view(-1, *self.v.shape[2:]).index_copy_(0, slot_mapping, v.to(self.v.dtype))
 
+    def op_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                               torch.Tensor | None]:
+        """(k pool, v pool, k scales, v scales, fp8 decode table) as the C++ attention op reads them."""
+        return self.k, self.v, None, None, None
+
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables: [B, nb] -> k, v: [B, nb * block_size, KVH, D] in the compute dtype."""
         b, nb = block_tables.shape

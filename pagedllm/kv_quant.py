@@ -39,6 +39,7 @@ class FP8KVCache(KVCache):
         super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, compute_dtype)
         self.k_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
         self.v_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
+        self.lut = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # fp8 bits -> value, for the C++ op
 
     @staticmethod
     def storage_dtype(name: str) -> torch.dtype:
@@ -55,6 +56,10 @@ class FP8KVCache(KVCache):
             # fp8 has few CPU kernels: move the bytes as uint8
             data.view(torch.uint8).view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, q.view(torch.uint8))
             scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, s)
+
+    def op_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                               torch.Tensor | None]:
+        return self.k.view(torch.uint8), self.v.view(torch.uint8), self.k_scale, self.v_scale, self.lut
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, nb = block_tables.shape

@@ -10,6 +10,7 @@ import torch
 from .attention import AttentionMetadata, PagedRows, PrefillSeq, build_decode_mask, build_mask
 from .kernels import load_ops
 from .kv_cache import KVCache
+from .kv_quant import FP8KVCache
 from .models.llama import LlamaForCausalLM
 from .request import Request
 from .scheduler import ScheduledRequest, SchedulerOutput
@@ -34,8 +35,8 @@ class ModelRunner:
         ops = load_ops() if self.dtype == torch.float32 else None
         model.set_ops(ops)
         self.argmax = ops.argmax_rows if ops is not None else None
-        plain_cache = cache_factory is KVCache and kv_dtype in (torch.float32, torch.bfloat16)
-        self.op = ops.paged_attention if ops is not None and plain_cache else None
+        op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
+        self.op = ops.paged_attention if ops is not None and op_pool else None
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False) -> StepResult:
         """all_logits: logits of every scheduled token (scoring), not just the sampled rows."""

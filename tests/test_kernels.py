@@ -70,3 +70,33 @@ def test_argmax_rows_first_maximum_and_inf(ops):  # noqa: ANN001
 def test_silu_and_mul(ops):  # noqa: ANN001
     x = torch.randn(3, 2 * 50, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :50]) * x[:, 50:])
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
+def test_paged_attention_reads_every_pool_dtype(ops, kv):  # noqa: ANN001
+    """Decode rows and a mid-sequence chunk over scattered blocks, against gather + SDPA on the
+    same stored (rounded / quantized) values."""
+    from pagedllm.attention import build_mask
+    from pagedllm.kv_cache import KVCache
+    from pagedllm.kv_quant import FP8_DTYPES, FP8KVCache
+
+    g = torch.Generator().manual_seed(0)
+    cls, dt = (FP8KVCache, FP8_DTYPES[kv]) if kv.startswith("fp8") else (KVCache, getattr(torch, kv))
+    cache = cls(12, 16, 2, 64, dt, torch.float32)
+    table = torch.tensor([[7, 2, 9], [4, 11, 0]])  # two sequences, 40 and 33 tokens
+    lens = [40, 33]
+    for s, n in enumerate(lens):
+        slots = table[s, torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+        cache.write(slots, torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g))
+    # sequence 0: a chunk of its last 5 tokens; sequence 1: one decode row
+    q = torch.randn(6, 8, 64, generator=g)
+    out = torch.empty_like(q)
+    k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+    ops.paged_attention(out, q, k_pool, v_pool, table, torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 5]),
+                        torch.tensor([5, 1]), torch.tensor(lens), 0.125, 0, k_scale, v_scale, lut)
+    k, v = cache.gather(table)  # [2, 48, KVH, D] in fp32
+    for s, (rows, n) in enumerate(((slice(0, 5), 40), (slice(5, 6), 33))):
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        ref = F.scaled_dot_product_attention(qs, k[s, :n].transpose(0, 1).unsqueeze(0), v[s, :n].transpose(0, 1).unsqueeze(0),
+                                             attn_mask=build_mask(qs.shape[2], n, None), scale=0.125, enable_gqa=True)
+        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -119,9 +119,6 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   return out;
 }
 
-// A pool row as fp32: fp32 rows are read in place, bf16 rows (the top half of an fp32) are widened
-// into a small thread-local buffer, so a bf16 pool streams half the bytes through the same loops.
-static inline const float* as_float(const float* src, int64_t, float*) { return src; }
 
 template <int ND>
 static inline float dot16(const float* a, const float* b) {
@@ -137,26 +134,54 @@ static inline void axpy16(float* y, float p, const float* x) {
   for (int j = 0; j < ND; ++j) store16(y + 16 * j, load16(y + 16 * j) + p * load16(x + 16 * j));
 }
 
-static inline const float* as_float(const uint16_t* src, int64_t n, float* buf) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
-    __builtin_memcpy(buf + i, &bits, sizeof(float));
+// Slot `slot` of a pool as an fp32 row of n = KVH * D values: fp32 rows are read in place; bf16 rows
+// (the top half of an fp32) and fp8 rows (a 256-entry decode table times the slot's bf16 scale per
+// KV head) are widened into a small thread-local buffer, so compact pools stream fewer bytes
+// through the same loops.
+struct Fp8Pool {
+  const float* lut = nullptr;        // [256]: fp8 bit pattern -> value
+  const uint16_t* scale = nullptr;   // [NB * BS, KVH] bf16
+  int64_t kvh = 0, d = 0;
+};
+
+static inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+static inline const float* as_float(const float* pool, int64_t slot, int64_t n, float*, const Fp8Pool&) {
+  return pool + slot * n;
+}
+
+static inline const float* as_float(const uint16_t* pool, int64_t slot, int64_t n, float* buf, const Fp8Pool&) {
+  const uint16_t* src = pool + slot * n;
+  for (int64_t i = 0; i < n; ++i) buf[i] = bf16_to_float(src[i]);
+  return buf;
+}
+
+static inline const float* as_float(const uint8_t* pool, int64_t slot, int64_t n, float* buf, const Fp8Pool& f) {
+  const uint8_t* src = pool + slot * n;
+  for (int64_t h = 0; h < f.kvh; ++h) {
+    const float sc = bf16_to_float(f.scale[slot * f.kvh + h]);
+    for (int64_t i = h * f.d; i < (h + 1) * f.d; ++i) buf[i] = f.lut[src[i]] * sc;
   }
   return buf;
 }
 
-// E: pool element, float or uint16_t (bf16 bits); ND = D / 16 for 16-wide dots (0: any D)
+// E: pool element, float, uint16_t (bf16 bits) or uint8_t (fp8); ND = D / 16 for 16-wide dots (0: any D)
 template <typename E, int ND>
 static void paged_attention_impl(torch::Tensor out,           // [T, H, D] fp32
                      torch::Tensor q,             // [T, H, D] fp32
-                     torch::Tensor k_cache,       // [NB, BS, KVH, D] fp32 or bf16
+                     torch::Tensor k_cache,       // [NB, BS, KVH, D] fp32, bf16 or fp8
                      torch::Tensor v_cache,       // [NB, BS, KVH, D]
                      torch::Tensor block_tables,  // [S, MAXB] int64
                      torch::Tensor row_seq,       // [T] int64: sequence of each query row
                      torch::Tensor q_start,       // [S] int64: first row of each sequence
                      torch::Tensor q_len,         // [S] int64
                      torch::Tensor ctx_len,       // [S] int64
-                     double scale, int64_t window) {
+                     double scale, int64_t window, const Fp8Pool& kf, const Fp8Pool& vf) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH, MAXB = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
@@ -189,10 +214,10 @@ static void paged_attention_impl(torch::Tensor out,           // [T, H, D] fp32
       const float* qrow = qp + r * q_stride;
       for (int64_t h = 0; h < H; ++h) mx[h] = -std::numeric_limits<float>::max();
       for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
-        const E* kblock = kp + table[t0 / BS] * BS * row_stride;
+        const int64_t slot0 = table[t0 / BS] * BS - t0;
         const int64_t a = std::max(t0, lo), b = std::min(t0 + BS, hi);
         for (int64_t t = a; t < b; ++t) {
-          const float* krow = as_float(kblock + (t - t0) * row_stride, row_stride, kbuf.data());
+          const float* krow = as_float(kp, slot0 + t, row_stride, kbuf.data(), kf);
           for (int64_t h = 0; h < H; ++h) {
             const float v = (ND ? dot16<ND>(qrow + h * D, krow + (h / G) * D) : dot(qrow + h * D, krow + (h / G) * D, D)) * fscale;
             sc[h * n + (t - lo)] = v;
@@ -213,10 +238,10 @@ static void paged_attention_impl(torch::Tensor out,           // [T, H, D] fp32
       float* __restrict ac = acc.data();
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = lo - lo % BS; t0 < hi; t0 += BS) {
-        const E* vblock = vp + table[t0 / BS] * BS * row_stride;
+        const int64_t slot0 = table[t0 / BS] * BS - t0;
         const int64_t a = std::max(t0, lo), b = std::min(t0 + BS, hi);
         for (int64_t t = a; t < b; ++t) {
-          const float* __restrict vrow = as_float(vblock + (t - t0) * row_stride, row_stride, vbuf.data());
+          const float* __restrict vrow = as_float(vp, slot0 + t, row_stride, vbuf.data(), vf);
           for (int64_t h = 0; h < H; ++h) {
             const float p = sc[h * n + (t - lo)];
             const float* __restrict vh = vrow + (h / G) * D;
@@ -235,21 +260,37 @@ static void paged_attention_impl(torch::Tensor out,           // [T, H, D] fp32
   });
 }
 
+// k_scale, v_scale [NB, BS, KVH] bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8).
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
-                     torch::Tensor ctx_len, double scale, int64_t window) {
+                     torch::Tensor ctx_len, double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
+                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> lut) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: K and V pools must be contiguous and of one dtype");
-  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || k_cache.scalar_type() == torch::kFloat32, "paged_attention: the pool must be float32 or bfloat16");
+  const auto dt = k_cache.scalar_type();
+  const bool fp8 = dt == torch::kUInt8;
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || fp8,
+              "paged_attention: the pool must be float32, bfloat16 or fp8 (as uint8)");
+  Fp8Pool kf, vf;
+  if (fp8) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && lut.has_value() && lut->numel() == 256 &&
+                    k_scale->scalar_type() == torch::kBFloat16 && k_scale->is_contiguous() && v_scale->is_contiguous(),
+                "paged_attention: an fp8 pool needs bf16 k_scale / v_scale and a 256-entry lut");
+    const int64_t kvh = k_cache.size(2), d = k_cache.size(3);
+    kf = Fp8Pool{lut->data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_scale->data_ptr()), kvh, d};
+    vf = Fp8Pool{lut->data_ptr<float>(), reinterpret_cast<const uint16_t*>(v_scale->data_ptr()), kvh, d};
+  }
   auto run = [&](auto nd) {
     constexpr int ND = decltype(nd)::value;
-    if (bf16)
+    if (fp8)
+      paged_attention_impl<uint8_t, ND>(out, q, k_cache, v_cache, block_tables, row_seq, q_start, q_len, ctx_len, scale,
+                                        window, kf, vf);
+    else if (dt == torch::kBFloat16)
       paged_attention_impl<uint16_t, ND>(out, q, k_cache, v_cache, block_tables, row_seq, q_start, q_len, ctx_len, scale,
-                                         window);
+                                         window, kf, vf);
     else
       paged_attention_impl<float, ND>(out, q, k_cache, v_cache, block_tables, row_seq, q_start, q_len, ctx_len, scale,
-                                      window);
+                                      window, kf, vf);
   };
   switch (q.size(2)) {
     case 16: run(std::integral_constant<int, 1>{}); break;
@@ -365,6 +406,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
-  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32 or bf16 pool, fp32 math, CPU)");
+  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, bf16 or fp8 pool; fp32 math; CPU)");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }
