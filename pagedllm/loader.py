@@ -137,8 +137,15 @@ _GGUF_LAYER = {
 
 
 def _gguf_key(path: Path) -> str:
-    st = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:v2".encode()).hexdigest()[:16]
+    """Cache key of a GGUF's conversion: its size and first and last MiB (the header, metadata and
+    tensor index, and the tail of the data), not its path or mtime, so the same file installed into
+    another venv reuses the converted folder instead of writing another copy."""
+    h = hashlib.sha256(f"{path.stat().st_size}:v3".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(2**20))
+        f.seek(max(0, path.stat().st_size - 2**20))
+        h.update(f.read(2**20))
+    return h.hexdigest()[:16]
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -40,3 +40,21 @@ def test_cli_reports_bad_input_cleanly():
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--max-tokens", "0"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):  # noqa: ANN001
+    """A fresh venv installs the same GGUF at another path: it must reuse the converted folder."""
+    import shutil
+
+    from pagedllm.loader import _gguf_key, default_model_path
+
+    src = default_model_path()
+    copy = tmp_path / src.name
+    shutil.copy(src, copy)
+    assert _gguf_key(copy) == _gguf_key(src)
+    with open(copy, "r+b") as f:  # a different file (here: one changed byte in the header) gets its own key
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    assert _gguf_key(copy) != _gguf_key(src)
