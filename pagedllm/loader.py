@@ -136,7 +136,7 @@ _GGUF_LAYER = {
 }
 
 
-def _gguf_key(path: Path) -> str:
+def gguf_cache_key(path: Path) -> str:
     """Cache key of a GGUF's conversion: its size and first and last MiB (the header, metadata and
     tensor index, and the tail of the data), not its path or mtime, so the same file installed into
     another venv reuses the converted folder instead of writing another copy."""
@@ -164,7 +164,7 @@ def read_gguf_metadata(reader) -> dict:  # noqa: ANN001
 
 
 def gguf_to_hf_folder(path: Path) -> Path:
-    out = cache_dir() / f"{path.stem}-{_gguf_key(path)}"
+    out = cache_dir() / f"{path.stem}-{gguf_cache_key(path)}"
     if (out / "config.json").exists():
         return out
     from gguf import GGUFReader

@@ -41,7 +41,7 @@ class Sampler:
         """logits: [R, V] fp32; the i-th request samples from row rows[i]."""
         if rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows)]
-        processed = [i for i, r in enumerate(reqs) if self._needs_processing(r, eos_ids)]
+        processed = [i for i, r in enumerate(reqs) if self._needs_processing(r)]
         raw = logits if any(r.params.logprobs is not None for r in reqs) else None
         if processed:  # in place on a copy: raw logits stay intact for logprobs
             logits = logits.clone()
@@ -76,15 +76,8 @@ class Sampler:
         return results
 
     @staticmethod
-    def _banned(req: Request, eos_ids: set[int], vocab_size: int) -> list[int]:
-        """Tokens that may not end the output yet (min_tokens)."""
-        p = req.params
-        if len(req.output_token_ids) >= p.min_tokens:
-            return []
-        return [t for t in ({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids) if 0 <= t < vocab_size]
-
-    @staticmethod
-    def _needs_processing(req: Request, eos_ids: set[int]) -> bool:
+    def _needs_processing(req: Request) -> bool:
+        """Whether _process would change the row (most requests: no, and their logits are not copied)."""
         p = req.params
         return (p.repetition_penalty != 1.0 or bool(req.output_token_ids and (p.presence_penalty or p.frequency_penalty))
                 or len(req.output_token_ids) < p.min_tokens)
@@ -101,9 +94,11 @@ class Sampler:
         if out and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(out).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-        banned = Sampler._banned(req, eos_ids, row.shape[0])
-        if banned:
-            row[banned] = float("-inf")
+        if len(out) < p.min_tokens:
+            banned = [t for t in ({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids)
+                      if 0 <= t < row.shape[0]]
+            if banned:
+                row[banned] = float("-inf")
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> int:
         p = req.params

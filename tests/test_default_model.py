@@ -46,15 +46,15 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):  # noqa: 
     """A fresh venv installs the same GGUF at another path: it must reuse the converted folder."""
     import shutil
 
-    from pagedllm.loader import _gguf_key, default_model_path
+    from pagedllm.loader import default_model_path, gguf_cache_key
 
     src = default_model_path()
     copy = tmp_path / src.name
     shutil.copy(src, copy)
-    assert _gguf_key(copy) == _gguf_key(src)
+    assert gguf_cache_key(copy) == gguf_cache_key(src)
     with open(copy, "r+b") as f:  # a different file (here: one changed byte in the header) gets its own key
         f.seek(100)
         byte = f.read(1)
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
-    assert _gguf_key(copy) != _gguf_key(src)
+    assert gguf_cache_key(copy) != gguf_cache_key(src)

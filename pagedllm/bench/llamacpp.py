@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..loader import _gguf_key, cache_dir
+from ..loader import cache_dir, gguf_cache_key
 from .common import now
 
 log = logging.getLogger("pagedllm")
@@ -23,7 +23,7 @@ log = logging.getLogger("pagedllm")
 
 def f32_gguf(src: Path) -> Path:
     """The GGUF at src with every tensor dequantized to F32 (metadata, tokenizer included, kept)."""
-    out = cache_dir() / f"{src.stem}-{_gguf_key(src)}.f32.gguf"
+    out = cache_dir() / f"{src.stem}-{gguf_cache_key(src)}.f32.gguf"
     if out.exists():
         return out
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter

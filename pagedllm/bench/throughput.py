@@ -15,6 +15,15 @@ from .common import load_workload, make_report, now, track_peak_rss, write_json
 log = logging.getLogger("pagedllm.bench")
 
 
+def result_row(system: str, work: list[WorkItem], wall: float, output_tokens: int, peak_rss: int, **extra) -> dict:
+    """One system's numbers in the shape every table, plot and JSON consumer reads."""
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
+    return {"system": system, "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / wall,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "peak_rss_bytes": peak_rss,
+            "kv_utilization": None, "wasted_token_fraction": 0.0, **extra}
+
+
 def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True) -> dict:
     for i, w in enumerate(work):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": w.prompt_token_ids},
@@ -42,15 +51,12 @@ def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True)
         wall = now() - t0
     if bar:
         bar.close()
-    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
     st = engine.stats()
-    return {"system": "pagedllm", "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
-            "output_tokens": out_tokens, "output_tokens_per_s": out_tokens / wall,
-            "total_tokens_per_s": (prompt_tokens + out_tokens) / wall, "peak_rss_bytes": rss.peak,
-            "kv_utilization": util_num / util_den if util_den else 0.0, "steps": steps,
-            "peak_kv_blocks_used": st.peak_kv_blocks_used, "num_preemptions": st.num_preemptions,
-            "prefix_cache_hits": st.prefix_cache_hits, "wasted_token_fraction": 0.0,
-            "token_ids": [token_ids[f"bench-{i}"] for i in range(len(work))]}
+    return result_row("pagedllm", work, wall, out_tokens, rss.peak,
+                      kv_utilization=util_num / util_den if util_den else 0.0, steps=steps,
+                      peak_kv_blocks_used=st.peak_kv_blocks_used, num_preemptions=st.num_preemptions,
+                      prefix_cache_hits=st.prefix_cache_hits,
+                      token_ids=[token_ids[f"bench-{i}"] for i in range(len(work))])
 
 
 def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int) -> dict:
@@ -73,13 +79,8 @@ def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int) 
         if r.returncode != 0 or not result.exists():
             raise RuntimeError(f"the vllm baseline failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
         d = json.loads(result.read_text())
-    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
-    wall = d["wall_s"]
-    return {"system": "vllm", "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
-            "output_tokens": d["output_tokens"], "output_tokens_per_s": d["output_tokens"] / wall,
-            "total_tokens_per_s": (prompt_tokens + d["output_tokens"]) / wall,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
-            "kv_utilization": None, "wasted_token_fraction": 0.0, "token_ids": d["token_ids"]}
+    return result_row("vllm", work, d["wall_s"], d["output_tokens"],
+                      resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, token_ids=d["token_ids"])
 
 
 def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progress: bool = True) -> dict:
@@ -120,12 +121,8 @@ def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progre
         wall = now() - t0
     if bar:
         bar.close()
-    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
-    return {"system": f"hf-static B={batch_size}", "batch_size": batch_size, "wall_s": wall, "requests": len(work),
-            "prompt_tokens": prompt_tokens, "output_tokens": useful, "output_tokens_per_s": useful / wall,
-            "total_tokens_per_s": (prompt_tokens + useful) / wall, "peak_rss_bytes": rss.peak,
-            "generated_tokens": generated, "wasted_token_fraction": 1 - useful / generated if generated else 0.0,
-            "kv_utilization": None}
+    return result_row(f"hf-static B={batch_size}", work, wall, useful, rss.peak, batch_size=batch_size,
+                      generated_tokens=generated, wasted_token_fraction=1 - useful / generated if generated else 0.0)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

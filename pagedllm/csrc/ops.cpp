@@ -2,9 +2,7 @@
 // gathered copy of the context), a linear over panel-packed weights, fused RMSNorm (+ residual
 // add), rotary embedding, silu_and_mul, and a row argmax.
 //
-// Attention that reads K/V straight from the paged pool: no gathered copy of the context.
-//
-// One work item = one query token, all heads: each K/V slot row (all KV heads, contiguous) is read
+// Attention: one work item = one query token, all heads: each K/V slot row (all KV heads, contiguous) is read
 // once and serves every query head (GQA: head h uses KV head h / G). Measured 2x faster than one
 // item per (token, KV head), which read the same rows in three strided passes. Scores go to a
 // thread-local buffer: pass 1 q.k and the max, pass 2 exp and the sum, pass 3 the weighted V sum.
