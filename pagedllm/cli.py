@@ -209,7 +209,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(**engine_kwargs(args))  # validate options before binding the port
     app = build_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
-                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes)
+                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes,
+                    trust_request_chat_template=args.trust_request_chat_template)
     import signal
 
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 429")
     sv.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    sv.add_argument("--trust-request-chat-template", action="store_true",
+                    help="allow chat_template in request bodies (a template is a program; off by default, as in vLLM)")
     sv.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds live requests get on SIGTERM")
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)

@@ -173,6 +173,12 @@ class LLMEngine:
             return None, self._check_ids(list(prompt))
         raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def prepare_prompt(self, prompt: PromptType) -> dict:
+        """Tokenize and check a prompt without touching the engine's state (safe from any thread):
+        {"prompt": text or None, "prompt_token_ids": ids}, which add_request takes as it is."""
+        text, ids = self._prompt_ids(prompt)
+        return {"prompt": text, "prompt_token_ids": ids}
+
     def _check_ids(self, ids: list) -> list[int]:
         if not ids:
             raise InvalidRequestError("prompt is empty (no tokens)")
@@ -195,6 +201,7 @@ class LLMEngine:
                                       "(room must be left for at least one output token)")
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        params = self._resolve_token_params(params)
         seqs = []
         for i in range(params.n):
             p = params if params.n == 1 else params.clone_for_child(i)
@@ -207,6 +214,25 @@ class LLMEngine:
                   for _ in seqs]
         self.groups[request_id] = _Group(request_id, text, ids, params, seqs, detoks, [""] * len(seqs))
         return request_id
+
+    def _resolve_token_params(self, params: SamplingParams) -> SamplingParams:
+        """Check the token ids params name against the vocabulary; tokenize bad_words."""
+        vocab = self.model_config.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in (getattr(params, name) or []) if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer; this model has none")
+        seqs: list[list[int]] = []
+        for word in params.bad_words:  # as vLLM: the word alone and after a space, as the model would spell it
+            for text in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return SamplingParams(**{**params.__dict__, "bad_words_token_ids": seqs})
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (or None if unknown)."""

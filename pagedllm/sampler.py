@@ -80,7 +80,8 @@ class Sampler:
         """Whether _process would change the row (most requests: no, and their logits are not copied)."""
         p = req.params
         return (p.repetition_penalty != 1.0 or bool(req.output_token_ids and (p.presence_penalty or p.frequency_penalty))
-                or len(req.output_token_ids) < p.min_tokens)
+                or len(req.output_token_ids) < p.min_tokens or bool(p.logit_bias) or p.allowed_token_ids is not None
+                or bool(p.bad_words_token_ids))
 
     @staticmethod
     def _process(row: torch.Tensor, req: Request, eos_ids: set[int]) -> None:
@@ -94,6 +95,19 @@ class Sampler:
         if out and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.tensor(out).unique(return_counts=True)
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            kept = row[keep]
+            row.fill_(float("-inf"))
+            row[keep] = kept
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype))
+        if p.bad_words_token_ids:
+            # a one-token word is always banned; a longer one only as the token that would complete it
+            banned = [w[-1] for w in p.bad_words_token_ids if len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1]]
+            if banned:
+                row[banned] = float("-inf")
         if len(out) < p.min_tokens:
             banned = [t for t in ({*eos_ids} if not p.ignore_eos else set()) | set(p.stop_token_ids)
                       if 0 <= t < row.shape[0]]

@@ -24,6 +24,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
+    allowed_token_ids: list[int] | None = None  # sample only among these (vLLM)
+    bad_words: list[str] | None = None  # words never generated (vLLM); the engine tokenizes them
+    bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,6 +36,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         self._validate()
 
     def _validate(self) -> None:
@@ -68,6 +79,19 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias and any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            bad("logit_bias", "values must be in [-100, 100]")
+        if self.logit_bias and any(t < 0 for t in self.logit_bias):
+            bad("logit_bias", "keys must be non-negative token ids")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id these params name, for the engine's vocabulary check."""
+        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def greedy(self) -> bool:

@@ -1,21 +1,19 @@
 """Tokenizer, chat template and incremental detokenization.
 
 Built on the `tokenizers` library: from a folder's tokenizer.json, or from a GGUF file's
-vocabulary and merges (byte-level BPE). Chat templates render with a sandboxed jinja2.
+vocabulary and merges (byte-level BPE). Chat templates render with a sandboxed jinja2 in a bounded child process.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from .chat_template import TemplateError, TemplateRenderer
 from .errors import InvalidRequestError
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
@@ -54,7 +52,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.eos_token_ids = {i for i in [self.eos_token_id, *(extra_eos_ids or [])] if i is not None}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self._template: jinja2.Template | None = None
+        self.renderer = TemplateRenderer()
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -124,32 +122,19 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs: Any) -> str:
+        """Render in the bounded child process (chat_template.py); any failure is an InvalidRequestError."""
         template = chat_template or self.chat_template
         if not template:
             raise InvalidRequestError("this model has no chat template; use generate() with a plain prompt")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise InvalidRequestError("each chat message must be a dict with 'role' and 'content'")
-        if chat_template is None and self._template is None:
-            self._template = _compile(template)
-        compiled = self._template if chat_template is None else _compile(template)
+        context = {**kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         try:
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(f"chat template failed: {e}") from e
-
-
-def _raise(msg: str) -> None:
-    raise jinja2.TemplateError(msg)
-
-
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **_: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+            return self.renderer.render(template, context)
+        except TemplateError as e:
+            raise InvalidRequestError(str(e)) from e
 
 
 class IncrementalDetokenizer:

@@ -225,9 +225,14 @@ def test_disconnect_mid_stream_frees_blocks(server):  # noqa: ANN001
 
 
 def test_non_streaming_disconnect_aborts(server):  # noqa: ANN001
-    body = {"prompt": "Amendment", "max_tokens": 900, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    body = json.dumps({"prompt": "Amendment", "max_tokens": 1000, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # send, wait until it runs, hang up
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 5.0
+        while time.time() < deadline and not server.metric("num_requests_running"):
+            time.sleep(0.01)
+        assert server.metric("num_requests_running") == 1
     deadline = time.time() + 2.0
     while time.time() < deadline and server.metric("num_requests_running"):
         time.sleep(0.05)

@@ -21,8 +21,16 @@ from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .async_engine import AsyncEngine, QueueFullError
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .async_engine import AsyncEngine, NewRequest, QueueFullError, RequestStream
+from .protocol import (
+    CHAT_NOOPS,
+    COMPLETION_NOOPS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    unsupported_field,
+)
 
 
 class APIError(Exception):
@@ -80,7 +88,8 @@ class APIKeyMiddleware:
 
 
 def build_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
-              max_queue_len: int = 1024, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+              max_queue_len: int = 1024, max_body_bytes: int = 8 * 2**20,
+              trust_request_chat_template: bool = False) -> FastAPI:
     engine = AsyncEngine(config, max_queue_len=max_queue_len)
 
     @asynccontextmanager
@@ -163,12 +172,18 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             raise APIError(400, "this model has no tokenizer")
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if req.messages is not None:
-            text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                           add_generation_prompt=req.add_generation_prompt)
-            ids = tok.encode(text, add_special_tokens=False)
-        else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+        def run() -> list[int]:
+            if req.messages is not None:
+                text = tok.apply_chat_template([m.template_dict() for m in req.messages],
+                                               add_generation_prompt=req.add_generation_prompt)
+                return tok.encode(text, add_special_tokens=False)
+            return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+        try:
+            ids = await asyncio.to_thread(run)
+        except InvalidRequestError as ex:
+            raise APIError(400, str(ex), param="messages") from ex
         return {"tokens": ids, "count": len(ids), "max_model_len": e.max_model_len}
 
     @app.post("/detokenize")
@@ -180,9 +195,14 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         bad = [t for t in req.tokens if not 0 <= t < e.model_config.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
-        return {"prompt": e.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(e.tokenizer.decode, req.tokens, skip_special_tokens=False)}
 
     # ---- generation ----------------------------------------------------------------------
+    def check_fields(req: Any, endpoint: dict) -> None:
+        bad = unsupported_field(req.model_extra, endpoint)
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
     def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         try:
             return SamplingParams(
@@ -191,43 +211,38 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                 repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    async def submit(prompts: list, params: SamplingParams, req: Any, prefix: str) -> list[str]:
-        """Add every prompt; on any error abort the ones already added and raise."""
-        base = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        ids: list[str] = []
+    async def submit(prompts: list, params: SamplingParams, req: Any, prefix: str) -> list[RequestStream]:
+        """Tokenize (off the event loop) and add every prompt, all or none."""
+        e = core()
         try:
-            for i, p in enumerate(prompts):
-                rid = f"{base}-{i}"
-                await engine.add(rid, p, params, priority=req.priority, cache_salt=req.cache_salt)
-                ids.append(rid)
-        except BaseException as e:
-            for rid in ids:  # all or nothing: the prompts already queued are withdrawn
-                engine.abort(rid)
-            if isinstance(e, InvalidRequestError):
-                raise APIError(400, str(e)) from e
-            if isinstance(e, QueueFullError):
-                raise APIError(429, str(e), "rate_limit_error", code="queue_full") from e
-            raise
-        return ids
+            prepared = await asyncio.to_thread(lambda: [e.prepare_prompt(p) for p in prompts])
+            base = f"{prefix}-{uuid.uuid4().hex[:24]}"
+            return await engine.add([NewRequest(f"{base}-{i}", p, params, req.priority, req.cache_salt)
+                                     for i, p in enumerate(prepared)])
+        except InvalidRequestError as ex:
+            raise APIError(400, str(ex)) from ex
+        except QueueFullError as ex:
+            raise APIError(429, str(ex), "rate_limit_error", code="queue_full") from ex
 
-    async def merged(ids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come: (prompt index, output)."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, rid: str) -> None:
+        async def pump(i: int, s: RequestStream) -> None:
             try:
-                async for out in engine.stream(rid):
+                async for out in engine.stream(s):
                     await queue.put((i, out))
             except Exception as ex:  # noqa: BLE001
                 await queue.put((i, ex))
             finally:
                 await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(ids)]
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         live = len(tasks)
         try:
             while live:
@@ -241,15 +256,15 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         finally:
             for t in tasks:
                 t.cancel()
-            for rid in ids:
-                engine.abort(rid)
+            for s in streams:
+                engine.abort(s.request_id)
 
-    async def final_outputs(ids: list[str], request: Request) -> list[RequestOutput]:
+    async def final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
         """Wait for all to finish; a client that disconnects aborts them."""
         finals: dict[int, RequestOutput] = {}
 
         async def collect() -> None:
-            async for i, out in merged(ids):
+            async for i, out in merged(streams):
                 if out.finished:
                     finals[i] = out
 
@@ -258,11 +273,16 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             done, _ = await asyncio.wait({task}, timeout=0.25)
             if not done and await request.is_disconnected():
                 task.cancel()
-                for rid in ids:
-                    engine.abort(rid)
+                for s in streams:
+                    engine.abort(s.request_id)
                 raise APIError(499, "client disconnected")
         task.result()
-        return [finals[i] for i in range(len(ids))]
+        return [finals[i] for i in range(len(streams))]
+
+    async def json_off_loop(build: Any) -> Response:
+        """Build and encode a (possibly large: logprobs of many prompts) response in a worker thread."""
+        body = await asyncio.to_thread(lambda: json.dumps(build(), ensure_ascii=False).encode())
+        return Response(body, media_type="application/json")
 
     def usage(outs: list[RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in outs)
@@ -302,6 +322,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
     async def completions(req: CompletionRequest, request: Request) -> Any:
         e = core()
         check_model(req.model)
+        check_fields(req, COMPLETION_NOOPS)
         p = req.prompt
         if isinstance(p, str):
             prompts: list = [p]
@@ -314,8 +335,8 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         else:
             prompts = list(p)
         params = sampling(req, req.max_tokens, req.logprobs)
-        ids = await submit(prompts, params, req, "cmpl")
-        created, rid, name = int(time.time()), ids[0].rsplit("-", 1)[0], model_name()
+        streams = await submit(prompts, params, req, "cmpl")
+        created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], model_name()
         n = params.n
 
         def prompt_text(o: RequestOutput) -> str:
@@ -324,24 +345,28 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             return e.tokenizer.decode(o.prompt_token_ids, skip_special_tokens=False) if e.tokenizer else ""
 
         if not req.stream:
-            outs = await final_outputs(ids, request)
-            choices = []
-            for i, o in enumerate(outs):
-                for c in o.outputs:
-                    head = prompt_text(o) if req.echo else ""
-                    choices.append({"index": i * n + c.index, "text": head + c.text,
-                                    "logprobs": completion_logprobs(e, c.token_ids, c.logprobs, len(head))
-                                    if req.logprobs is not None else None,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                    "choices": choices, "usage": usage(outs)}
+            outs = await final_outputs(streams, request)
+
+            def body() -> dict:
+                choices = []
+                for i, o in enumerate(outs):
+                    for c in o.outputs:
+                        head = prompt_text(o) if req.echo else ""
+                        choices.append({"index": i * n + c.index, "text": head + c.text,
+                                        "logprobs": completion_logprobs(e, c.token_ids, c.logprobs, len(head))
+                                        if req.logprobs is not None else None,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                return {"id": rid, "object": "text_completion", "created": created, "model": name,
+                        "choices": choices, "usage": usage(outs)}
+
+            return await json_off_loop(body)
 
         async def gen() -> AsyncIterator[str]:
             sent_text: dict[int, int] = {}
             sent_tok: dict[int, int] = {}
             finals: dict[int, RequestOutput] = {}
             try:
-                async for i, o in merged(ids):
+                async for i, o in merged(streams):
                     for c in o.outputs:
                         idx = i * n + c.index
                         if idx not in sent_text:
@@ -371,31 +396,39 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
+    def render_chat(e, req: ChatCompletionRequest) -> dict:  # noqa: ANN001 - runs in a worker thread
+        text = e.tokenizer.apply_chat_template([m.template_dict() for m in req.messages],
+                                               add_generation_prompt=req.add_generation_prompt,
+                                               chat_template=req.chat_template, **(req.chat_template_kwargs or {}))
+        return {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False)}
+
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         e = core()
         check_model(req.model)
+        check_fields(req, CHAT_NOOPS)
         if e.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat")
+        if req.chat_template is not None and not trust_request_chat_template:
+            raise APIError(400, "chat_template in a request is refused: a template is a program; start the server "
+                           "with --trust-request-chat-template to allow it", param="chat_template")
         try:
-            text = e.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in req.messages],
-                                                   add_generation_prompt=req.add_generation_prompt,
-                                                   chat_template=req.chat_template)
+            prompt = await asyncio.to_thread(render_chat, e, req)
         except InvalidRequestError as ex:
             raise APIError(400, str(ex), param="messages") from ex
-        prompt = {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False)}
         k = req.top_logprobs or 0
         params = sampling(req, req.max_completion_tokens or req.max_tokens, k if req.logprobs else None)
-        ids = await submit([prompt], params, req, "chatcmpl")
-        created, rid, name = int(time.time()), ids[0].rsplit("-", 1)[0], model_name()
+        streams = await submit([prompt], params, req, "chatcmpl")
+        created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], model_name()
 
         if not req.stream:
-            (o,) = await final_outputs(ids, request)
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(e, c.token_ids, c.logprobs, k) if req.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in o.outputs]
-            return {"id": rid, "object": "chat.completion", "created": created, "model": name,
-                    "choices": choices, "usage": usage([o])}
+            (o,) = await final_outputs(streams, request)
+            return await json_off_loop(lambda: {
+                "id": rid, "object": "chat.completion", "created": created, "model": name,
+                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": chat_logprobs(e, c.token_ids, c.logprobs, k) if req.logprobs else None,
+                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in o.outputs],
+                "usage": usage([o])})
 
         async def gen() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
@@ -406,7 +439,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             sent_tok = [0] * params.n
             final = None
             try:
-                async for _, o in merged(ids):
+                async for _, o in merged(streams):
                     for c in o.outputs:
                         delta = c.text[sent_text[c.index]:]
                         new_toks = c.token_ids[sent_tok[c.index]:]

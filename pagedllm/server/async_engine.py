@@ -1,8 +1,10 @@
 """One engine loop for many concurrent clients.
 
 The loop runs `LLMEngine.step()` in a worker thread while any request is live. Adds and aborts
-from request handlers are queued and applied between steps (the engine is never touched by two
-threads at once); each request gets its own asyncio.Queue of RequestOutputs.
+from request handlers are queued and applied between steps, also in a worker thread (the engine
+is never touched by two threads at once, and the event loop never does engine work). `add`
+hands back one RequestStream per prompt, owned by the caller: a request that finishes in its
+first step has its output waiting there, whenever the handler starts reading.
 """
 
 from __future__ import annotations
@@ -28,11 +30,40 @@ class QueueFullError(Exception):
 
 
 @dataclass
-class _Stream:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+class NewRequest:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one request. Outputs are cumulative (each holds all text and tokens so far),
+    so only the newest unread one is kept: a client that reads slowly, or not at all, costs one
+    output's memory and never holds the engine back; it sees the tokens it missed in one delta."""
+
+    request_id: str
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     num_tokens: int = 0
+    _latest: RequestOutput | Exception | None = None
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, out: RequestOutput | Exception) -> None:
+        if not isinstance(self._latest, Exception):  # an error is final
+            self._latest = out
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        out, self._latest = self._latest, None
+        if isinstance(out, Exception):
+            raise out
+        assert out is not None  # noqa: S101 - _ready is only set together with _latest
+        return out
 
 
 class AsyncEngine:
@@ -45,7 +76,7 @@ class AsyncEngine:
         self.metrics = ServerMetrics(lambda: self.stats)
         self.stats: EngineStats | None = None
         self._ops: list[tuple] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -60,7 +91,7 @@ class AsyncEngine:
         """Abort live requests and stop the loop."""
         self._stopping = True
         for rid in list(self._streams):
-            self._ops.append(("abort", rid, None))
+            self._ops.append(("abort", rid))
         self._wake.set()
         if self._task:
             try:
@@ -76,71 +107,82 @@ class AsyncEngine:
         return not (busy and time.monotonic() - self.last_progress > self.stall_timeout)
 
     # ---- requests ------------------------------------------------------------------------
-    async def add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                  cache_salt: str | None = None) -> None:
-        """Queue a request; raises InvalidRequestError / QueueFullError before anything runs."""
+    async def add(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Queue requests, all or none; raises InvalidRequestError / QueueFullError before any runs."""
         if self.engine is None:
             raise RuntimeError("the model is still loading")
-        waiting = (self.stats.num_waiting if self.stats else 0) + sum(op[0] == "add" for op in self._ops)
-        if waiting >= self.max_queue_len:
+        if self._stopping:
+            raise QueueFullError("the server is shutting down")
+        queued = sum(len(op[1]) for op in self._ops if op[0] == "add")
+        waiting = (self.stats.num_waiting if self.stats else 0) + queued
+        if waiting + len(requests) > self.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests); retry later")
         fut = asyncio.get_running_loop().create_future()
-        self._streams[request_id] = _Stream()
-        self._ops.append(("add", request_id, (prompt, params, priority, cache_salt), fut))
+        streams = [RequestStream(r.request_id) for r in requests]
+        for s in streams:
+            self._streams[s.request_id] = s
+        self._ops.append(("add", requests, fut))
         self._wake.set()
         try:
             await fut
         except BaseException:
-            self._streams.pop(request_id, None)
+            for s in streams:
+                self._streams.pop(s.request_id, None)
             raise
+        return streams
 
     def abort(self, request_id: str) -> None:
         if request_id in self._streams:
-            self._ops.append(("abort", request_id, None))
+            self._ops.append(("abort", request_id))
             self._wake.set()
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def stream(self, s: RequestStream) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes. Leaving early (disconnect) aborts it."""
-        s = self._streams[request_id]
         finished = False
         try:
             while True:
-                out = await s.queue.get()
-                if isinstance(out, Exception):
-                    raise out
+                out = await s.get()
                 yield out
                 if out.finished:
                     finished = True
                     return
         finally:
             if not finished:
-                self.abort(request_id)
+                self.abort(s.request_id)
 
     # ---- the loop ------------------------------------------------------------------------
-    def _apply_ops(self) -> None:
-        ops, self._ops = self._ops, []
-        assert self.engine is not None
+    def _apply_ops(self, ops: list[tuple]) -> tuple[list[tuple], list[RequestOutput]]:
+        """In the worker thread. Returns (future, exception or None) pairs and outputs to deliver;
+        futures are settled on the event loop, which owns them."""
+        assert self.engine is not None  # noqa: S101 - the loop only runs once the engine is loaded
+        settled, outs = [], []
         for op in ops:
-            kind, rid = op[0], op[1]
-            if kind == "add":
-                prompt, params, priority, salt = op[2]
-                fut = op[3]
-                try:
-                    self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
-                except Exception as e:  # noqa: BLE001 - handed to the request's handler
-                    if not fut.done():
-                        fut.set_exception(e if isinstance(e, (InvalidRequestError, ValueError)) else
-                                          InvalidRequestError(str(e)))
-                    continue
-                if not fut.done():
-                    fut.set_result(None)
-                if fut.cancelled():  # the client left before we got here
-                    self.engine.abort(rid)
-            elif kind == "abort":
-                out = self.engine.abort(rid)
+            if op[0] == "add":
+                _, requests, fut = op
+                added: list[str] = []
+                error: Exception | None = None
+                for r in requests:
+                    try:
+                        self.engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority,
+                                                cache_salt=r.cache_salt)
+                        added.append(r.request_id)
+                    except Exception as e:  # noqa: BLE001 - handed to the request's handler
+                        error = e if isinstance(e, ValueError) else InvalidRequestError(str(e))
+                        break
+                if error is not None or fut.cancelled():  # all or none; a client gone before it ran
+                    for rid in added:
+                        self.engine.abort(rid)
+                settled.append((fut, error))
+            else:
+                out = self.engine.abort(op[1])
                 if out is not None:
-                    self._deliver(out)
-                self._streams.pop(rid, None)
+                    outs.append(out)
+        return settled, outs
+
+    def _step(self) -> tuple[list[RequestOutput], EngineStats]:
+        assert self.engine is not None  # noqa: S101
+        outs = self.engine.step()
+        return outs, self.engine.stats()
 
     def _deliver(self, out: RequestOutput) -> None:
         s = self._streams.get(out.request_id)
@@ -156,7 +198,7 @@ class AsyncEngine:
                     for _ in range(new):
                         self.metrics.itl.observe(gap)
                 s.last_token_time, s.num_tokens = now, n
-            s.queue.put_nowait(out)
+            s.put(out)
         if out.finished:
             for c in out.outputs:
                 self.metrics.request_success.labels(c.finish_reason or "abort").inc()
@@ -165,7 +207,7 @@ class AsyncEngine:
             sched = out.metrics.get("first_scheduled_time")
             if sched is not None and out.metrics.get("arrival_time") is not None:
                 self.metrics.queue.observe(max(0.0, sched - out.metrics["arrival_time"]))
-            self._streams.pop(out.request_id, None)
+            self._streams.pop(out.request_id, None)  # the handler holds its own reference
 
     async def _run(self) -> None:
         try:
@@ -178,8 +220,18 @@ class AsyncEngine:
         log.info("engine loaded: %s", self.engine.model_name)
         while True:
             if self._ops:
-                self._apply_ops()
-                self.stats = self.engine.stats()
+                ops, self._ops = self._ops, []
+                settled, outs = await asyncio.to_thread(self._apply_ops, ops)
+                for fut, error in settled:
+                    if fut.done():
+                        continue
+                    if error is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(error)
+                for out in outs:
+                    self._deliver(out)
+                self.stats = await asyncio.to_thread(self.engine.stats)
             if self._stopping and not self._ops and not self.engine.has_unfinished_requests():
                 return
             if not self.engine.has_unfinished_requests():
@@ -188,12 +240,12 @@ class AsyncEngine:
                     await self._wake.wait()
                 continue
             try:
-                outs = await asyncio.to_thread(self.engine.step)
+                outs, self.stats = await asyncio.to_thread(self._step)
             except Exception as e:  # noqa: BLE001 - an engine bug: fail live requests, keep serving
                 log.exception("engine step failed")
                 self.loop_error = f"{type(e).__name__}: {e}"
                 for rid, s in list(self._streams.items()):
-                    s.queue.put_nowait(RuntimeError(f"engine failure: {e}"))
+                    s.put(RuntimeError(f"engine failure: {e}"))
                     self.engine.abort(rid)
                 self._streams.clear()
                 self.loop_error = None
@@ -201,4 +253,3 @@ class AsyncEngine:
             self.last_progress = time.monotonic()
             for out in outs:
                 self._deliver(out)
-            self.stats = self.engine.stats()

@@ -2,11 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
+
+_NONE: Callable[[Any], bool] = lambda v: v is None
+_FALSY: Callable[[Any], bool] = lambda v: not v
+
+# Fields of the OpenAI and vLLM APIs that this server does not implement, each with the test for
+# its no-op value: a request that sets one to anything else gets a 400 naming it, never a 200 that
+# ignores it. Structured outputs and tools are their own issue.
+_NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "structured_outputs": _NONE, "guided_json": _NONE, "guided_regex": _NONE, "guided_choice": _NONE,
+    "guided_grammar": _NONE, "guided_json_object": _FALSY, "guided_decoding_backend": _NONE,
+    "guided_whitespace_pattern": _NONE, "structural_tag": _NONE,
+    "tools": _FALSY, "tool_choice": lambda v: v in (None, "none"), "functions": _FALSY,
+    "function_call": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,  # moot without tools
+    "prompt_logprobs": _NONE, "use_beam_search": _FALSY, "length_penalty": lambda v: v in (None, 1, 1.0),
+    "truncate_prompt_tokens": _NONE, "logits_processors": _FALSY, "return_tokens_as_token_ids": _FALSY,
+    "return_token_ids": _FALSY, "prompt_embeds": _NONE, "documents": _FALSY, "mm_processor_kwargs": _FALSY,
+    "kv_transfer_params": _NONE, "vllm_xargs": _FALSY, "request_id": _NONE, "continue_final_message": _FALSY,
+    "spaces_between_special_tokens": lambda v: v in (None, True), "audio": _NONE, "prediction": _NONE,
+    "modalities": lambda v: v in (None, ["text"]), "web_search_options": _NONE, "reasoning_effort": _NONE,
+    "verbosity": _NONE, "store": _FALSY, "service_tier": lambda v: v in (None, "auto", "default"),
+    "top_logprobs": _NONE,  # completions take logprobs=N instead
+}
+# Identifiers and bookkeeping that change nothing about the output: accepted.
+_ACCEPTED = {"user", "metadata", "prompt_cache_key", "safety_identifier"}
+
+
+def unsupported_field(extra: dict[str, Any] | None, endpoint_defaults: dict[str, Callable[[Any], bool]]
+                      ) -> tuple[str, str] | None:
+    """(field, message) for the first field of a request body that would be silently ignored."""
+    for name, value in (extra or {}).items():
+        if name in _ACCEPTED:
+            continue
+        test = endpoint_defaults.get(name) or _NOT_IMPLEMENTED.get(name)
+        if test is None:
+            return name, f"unrecognized request argument supplied: {name}"
+        if not test(value):
+            return name, f"{name} is not supported by this server (got {value!r})"
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -14,7 +54,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # extras are checked by unsupported_field, never ignored
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -37,6 +77,21 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[NonNegInt] | None = Field(None, min_length=1)
+    bad_words: list[StrictStr] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):  # noqa: ANN001, ANN206
+        for k, b in (v or {}).items():
+            if not k.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {k}")
+        if v is not None and len(v) > 1024:
+            raise ValueError("logit_bias takes at most 1024 tokens")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -52,7 +107,14 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info):  # noqa: ANN001, ANN206
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported by this server")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -81,6 +143,10 @@ class ChatMessage(BaseModel):
             return "".join(p.text for p in self.content)
         return self.content or ""
 
+    def template_dict(self) -> dict:
+        """The message as the chat template sees it: every field given (HF convention), text content."""
+        return {**self.model_dump(exclude_none=True), "content": self.text()}
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -90,6 +156,13 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# per endpoint: fields with a no-op value that the other endpoint does not have
+COMPLETION_NOOPS: dict[str, Callable[[Any], bool]] = {
+    "suffix": _FALSY, "add_special_tokens": lambda v: v in (None, True)}
+CHAT_NOOPS: dict[str, Callable[[Any], bool]] = {"echo": _FALSY, "add_special_tokens": _FALSY}
 
 
 class TokenizeRequest(BaseModel):
