@@ -1,16 +1,28 @@
 """Optional C++ kernels (paged attention, packed-weight linear, fused norm/rope/activation,
-argmax), built on first use with torch's own extension tooling and cached in
-TORCH_EXTENSIONS_DIR. If the build is not possible, or PAGEDLLM_NO_CPP=1, the pure-torch paths
-are used."""
+argmax), built on first use with torch's own extension tooling. If the build is not possible, or
+PAGEDLLM_NO_CPP=1, the pure-torch paths are used.
+
+The build directory is keyed by everything the binary depends on: the source, the flags, torch
+and Python versions, and this CPU's instruction-set flags (the build uses -march=native, so a
+cache copied to, or a home directory shared with, another kind of CPU must never load it). Two
+checkouts or venvs with the same key share one build; an flock around the build serializes them,
+and because a killed builder's flock dies with it, a `lock` file that torch left behind is known
+to be stale and is removed instead of waited on forever.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
+import platform
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 
 log = logging.getLogger("pagedllm")
@@ -54,16 +66,60 @@ class Ops:
         return self.packed_linear(x, layer.packed_weight, layer.packed_bias, layer.out_features)
 
 
+def cpu_isa_flags() -> str:
+    """The CPU's feature flags as the kernel reports them (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
+def build_key(sources: list[Path], flags: list[str], isa: str) -> str:
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {isa}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(key: str) -> Path:
+    base = Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
+    return base / "ops" / key
+
+
+def load_extension(name: str, sources: list[Path], flags: list[str], where: Path):  # noqa: ANN201 - the module
+    """torch's load() in `where`, under an flock that dies with its holder."""
+    from torch.utils.cpp_extension import load
+
+    where.mkdir(parents=True, exist_ok=True)
+    with open(where / "pagedllm.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process that is building the C++ kernels in %s", where)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = where / "lock"  # torch's FileBaton; we hold the flock, so whoever made it is gone
+        if stale.exists():
+            log.warning("removing a stale build lock left by an interrupted build: %s", stale)
+            stale.unlink()
+        if not any(where.glob(f"{name}*.so")):
+            log.warning("building C++ kernels (once, about a minute) in %s", where)
+        return load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(where), verbose=False)
+
+
 @cache  # one build per process: the compiled library never changes once loaded
 def load_ops() -> Ops | None:
     if os.environ.get("PAGEDLLM_NO_CPP"):
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        src = Path(__file__).parent / "csrc" / "ops.cpp"
-        mod = load(name="pagedllm_ops", sources=[str(src)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                   verbose=False)
+        sources = [Path(__file__).parent / "csrc" / "ops.cpp"]
+        mod = load_extension("pagedllm_ops", sources, _FLAGS, build_dir(build_key(sources, _FLAGS, cpu_isa_flags())))
         return Ops(mod.paged_attention, mod.packed_linear, mod.silu_and_mul, mod.rms_norm, mod.rope_, mod.argmax_rows)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)

@@ -101,6 +101,52 @@ def test_stop_token_ids_min_tokens_max_tokens(llama_dir):  # noqa: ANN001
     assert len(out.token_ids) >= first + 2 and stop_tok not in out.token_ids[:first + 2]
 
 
+def test_logit_bias_and_allowed_token_ids(llama_dir):  # noqa: ANN001
+    llm = LLM(model=llama_dir)
+    p = {"prompt_token_ids": [1, 2, 3, 4]}
+    kw = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate(p, SamplingParams(**kw))[0].outputs[0].token_ids
+    forced = llm.generate(p, SamplingParams(**kw, logit_bias={77: 100}))[0].outputs[0].token_ids
+    assert forced == [77] * 12
+    banned = llm.generate(p, SamplingParams(**kw, logit_bias={free[0]: -100}))[0].outputs[0].token_ids
+    assert banned[0] != free[0]
+    allowed = [5, 9, 200, 201]
+    out = llm.generate(p, SamplingParams(**kw, allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert set(out) <= set(allowed)
+    sampled = llm.generate(p, SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, seed=1,
+                                             allowed_token_ids=allowed))[0].outputs[0].token_ids
+    assert set(sampled) <= set(allowed) and len(set(sampled)) > 1
+    assert llm.generate(p, SamplingParams(**kw, logit_bias={}))[0].outputs[0].token_ids == free
+    with pytest.raises(InvalidRequestError, match="logit_bias: token id 320"):
+        llm.generate(p, SamplingParams(**kw, logit_bias={320: 1}))
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        llm.generate(p, SamplingParams(**kw, allowed_token_ids=[1, 9999]))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 101})
+
+
+def test_bad_words_are_never_generated(chat_model_dir):  # noqa: ANN001
+    llm = LLM(model=chat_model_dir)
+    tok = llm.get_tokenizer()
+    kw = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = llm.generate("We the People", SamplingParams(**kw))[0].outputs[0].token_ids
+    j = next(i for i in range(len(free) - 1) if tok.decode([free[i]]).strip() and tok.decode(free[i:i + 2]).strip())
+    one = tok.decode([free[j]]).strip()
+    spellings = {t for w in (one, " " + one) for t in tok.encode(w, add_special_tokens=False)[:1]
+                 if len(tok.encode(w, add_special_tokens=False)) == 1}
+    out = llm.generate("We the People", SamplingParams(**kw, bad_words=[one]))[0].outputs[0].token_ids
+    assert spellings and not spellings & set(out) and out != free
+    pair = free[j:j + 2]  # a two-token word: its last token is banned only right after its first
+    word = tok.decode(pair)
+    if tok.encode(word.strip(), add_special_tokens=False) == pair or tok.encode(" " + word.strip(),
+                                                                                add_special_tokens=False) == pair:
+        out = llm.generate("We the People", SamplingParams(**kw, bad_words=[word]))[0].outputs[0].token_ids
+        assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+        assert out[:j + 1] == free[:j + 1]  # nothing before the word's last token changes
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "])
+
+
 def test_logprobs_are_top_k_of_each_sampled_token(llama_dir):  # noqa: ANN001
     llm = LLM(model=llama_dir)
     out = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=0, max_tokens=5, logprobs=3,

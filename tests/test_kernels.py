@@ -100,3 +100,34 @@ def test_paged_attention_reads_every_pool_dtype(ops, kv):  # noqa: ANN001
         ref = F.scaled_dot_product_attention(qs, k[s, :n].transpose(0, 1).unsqueeze(0), v[s, :n].transpose(0, 1).unsqueeze(0),
                                              attn_mask=build_mask(qs.shape[2], n, None), scale=0.125, enable_gqa=True)
         torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_build_key_follows_source_flags_and_cpu(tmp_path):  # noqa: ANN001
+    from pagedllm.kernels import build_key
+
+    src = tmp_path / "a.cpp"
+    src.write_text("int x;")
+    k = build_key([src], ["-O3"], "avx2 fma")
+    assert k == build_key([src], ["-O3"], "avx2 fma")
+    assert k != build_key([src], ["-O2"], "avx2 fma")
+    assert k != build_key([src], ["-O3"], "avx2 avx512f fma")  # a -march=native build is never shared across CPUs
+    src.write_text("int y;")
+    assert k != build_key([src], ["-O3"], "avx2 fma")
+
+
+def test_stale_build_lock_is_recovered_not_waited_on(ops):  # noqa: ANN001
+    """torch's `lock` file left by a killed build used to hang every later start forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagedllm import kernels
+
+    sources = [Path(kernels.__file__).parent / "csrc" / "ops.cpp"]
+    where = kernels.build_dir(kernels.build_key(sources, kernels._FLAGS, kernels.cpu_isa_flags()))
+    (where / "lock").write_text("")
+    code = "from pagedllm.kernels import load_ops; assert load_ops() is not None"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "stale build lock" in r.stderr
+    assert not (where / "lock").exists()

@@ -318,3 +318,111 @@ def test_sigterm_with_live_requests_exits_cleanly(chat_model_dir):  # noqa: ANN0
             pass
     assert srv.proc.wait(timeout=30) == 0
     assert time.time() - t0 < 20
+
+
+def test_requests_that_finish_in_their_first_step_are_never_lost(server):  # noqa: ANN001
+    """max_tokens 1-2: the final output can arrive before the handler starts reading it."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for _ in range(30):  # one after another on an idle server
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": ["a", "b c", "d"], "max_tokens": 2,
+                                                             "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            bodies = [{"prompt": [[1 + i, 2], [3, 4 + i]], "max_tokens": 1, "n": 1 + i % 3} for i in range(40)]
+            return await asyncio.gather(*(c.post(server.url + "/v1/completions", json=b) for b in bodies))
+
+    rs = asyncio.run(burst())
+    assert [r.status_code for r in rs] == [200] * 40
+    assert [len(r.json()["choices"]) for r in rs] == [2 * (1 + i % 3) for i in range(40)]
+
+
+UNSUPPORTED = [
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("/v1/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("/v1/chat/completions", "tool_choice", "required"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/completions", "best_of", 3),
+    ("/v1/completions", "suffix", "the end"),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "structured_outputs", {"json": {"type": "object"}}),
+    ("/v1/completions", "guided_json", {"type": "object"}),
+    ("/v1/chat/completions", "guided_regex", "[a-z]+"),
+    ("/v1/chat/completions", "guided_choice", ["yes", "no"]),
+    ("/v1/completions", "guided_grammar", "root ::= 'a'"),
+    ("/v1/chat/completions", "use_beam_search", True),
+    ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "audio", {"voice": "alloy"}),
+    ("/v1/completions", "frobnicate", 1),  # in neither API: unrecognized
+]
+
+
+def test_unsupported_fields_are_refused_by_name_not_ignored(server):  # noqa: ANN001
+    base = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    for path, name, value in UNSUPPORTED:
+        r = httpx.post(server.url + path, json={**base[path], name: value}, timeout=30)
+        assert r.status_code == 400, (path, name, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["param"] == name and name in err["message"], err
+    noops = [("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                                       "parallel_tool_calls": True, "user": "u1", "metadata": {"k": "v"}}),
+             ("/v1/completions", {"suffix": "", "best_of": 1, "prompt_logprobs": None, "user": "u2"})]
+    for path, extra in noops:  # their no-op values are honoured trivially
+        r = httpx.post(server.url + path, json={**base[path], **extra}, timeout=30)
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_logit_bias_and_allowed_token_ids(server):  # noqa: ANN001
+    def complete(**kw) -> dict:  # noqa: ANN003
+        body = {"prompt": "We the People", "max_tokens": 8, "temperature": 0, "ignore_eos": True, **kw}
+        return httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
+
+    def ids(text: str) -> list[int]:
+        return httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    free = complete()["choices"][0]["text"]
+    forced = complete(logit_bias={"100": 100})["choices"][0]["text"]
+    assert ids(forced) == [100] * 8 or forced == httpx.post(server.url + "/detokenize",
+                                                            json={"tokens": [100] * 8}).json()["prompt"]
+    first = ids(free)[0]
+    assert ids(complete(logit_bias={str(first): -100})["choices"][0]["text"])[:1] != [first]
+    assert complete(allowed_token_ids=[100, 101])["choices"][0]["text"].replace(
+        httpx.post(server.url + "/detokenize", json={"tokens": [100]}).json()["prompt"], "").replace(
+        httpx.post(server.url + "/detokenize", json={"tokens": [101]}).json()["prompt"], "") == ""
+    for bad in [{"logit_bias": {"320": 5}}, {"logit_bias": {"5": 101}}, {"logit_bias": {"abc": 1}},
+                {"allowed_token_ids": []}, {"allowed_token_ids": [99999]}, {"bad_words": [""]}]:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", **bad}, timeout=30)
+        assert r.status_code == 400, (bad, r.text)
+
+
+HOSTILE = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}"
+
+
+def test_request_chat_template_refused_unless_trusted(server, chat_model_dir):  # noqa: ANN001
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "chat_template": "{{ 'x' }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in r.json()["error"]["message"]
+    srv = Server(chat_model_dir, "--trust-request-chat-template")
+    try:
+        ok = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "messages": msgs, "max_tokens": 2, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+        assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == len(
+            httpx.post(srv.url + "/tokenize", json={"prompt": "hi"}).json()["tokens"])
+        for template in [HOSTILE, HOSTILE.replace("{{ i }}", ""),
+                         "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+                         "{% endfor %}{{ ns.s }}"]:
+            r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "chat_template": template},
+                           timeout=60)
+            assert r.status_code == 400 and "chat template" in r.json()["error"]["message"], r.text
+            assert httpx.get(srv.url + "/health").status_code == 200
+        again = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=30)
+        assert again.status_code == 200
+    finally:
+        assert srv.stop() == 0
