@@ -116,7 +116,11 @@ class Sampler:
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> int:
         p = req.params
-        row = row / p.temperature
+        # extreme but valid parameters (repetition_penalty 1e-300, temperature 1e-5) can overflow a logit:
+        # inf stays the largest finite value and nan is never sampled, so one request never fails the batch
+        row = torch.nan_to_num(row / p.temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+        if not torch.isfinite(row).any():  # every token banned (allowed_token_ids minus bad_words)
+            return int(row.argmax())
         if p.top_k and p.top_k < row.shape[0]:
             kth = row.topk(p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -125,6 +129,7 @@ class Sampler:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         if p.top_p < 1.0:
             sp, si = probs.sort(descending=True)
-            keep = sp.cumsum(-1) - sp < p.top_p  # always keeps the most likely token
+            keep = sp.cumsum(-1) - sp < p.top_p
+            keep[0] = True  # the most likely token, even when top_p rounds to 0 in fp32
             probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
         return int(torch.multinomial(probs, 1, generator=self._gen(req)))

@@ -166,8 +166,12 @@ class AsyncEngine:
                         self.engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority,
                                                 cache_salt=r.cache_salt)
                         added.append(r.request_id)
-                    except Exception as e:  # noqa: BLE001 - handed to the request's handler
-                        error = e if isinstance(e, ValueError) else InvalidRequestError(str(e))
+                    except ValueError as e:  # bad input: a 400 for the request's handler
+                        error = e if isinstance(e, InvalidRequestError) else InvalidRequestError(str(e))
+                        break
+                    except Exception as e:  # noqa: BLE001 - an engine bug: a 500 for this request only
+                        log.exception("add_request failed")
+                        error = e
                         break
                 if error is not None or fut.cancelled():  # all or none; a client gone before it ran
                     for rid in added:
