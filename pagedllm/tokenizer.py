@@ -17,6 +17,7 @@ from .chat_template import TemplateError, TemplateRenderer
 from .errors import InvalidRequestError
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
+_LONG_TEXT = 8192  # characters: ~2 ms of encoding, past which holding the GIL stalls the other threads
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -109,7 +110,10 @@ class Tokenizer:
 
     # ---- use -----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _LONG_TEXT:  # encode_batch releases the GIL: other threads (the engine step) keep running
+            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids
