@@ -243,16 +243,26 @@ class AsyncEngine:
                 if not self._ops:
                     await self._wake.wait()
                 continue
+            steps = self.engine.num_steps
             try:
                 outs, self.stats = await asyncio.to_thread(self._step)
             except Exception as e:  # noqa: BLE001 - an engine bug: fail live requests, keep serving
                 log.exception("engine step failed")
                 self.loop_error = f"{type(e).__name__}: {e}"
-                for rid, s in list(self._streams.items()):
+                for s in self._streams.values():
                     s.put(RuntimeError(f"engine failure: {e}"))
-                    self.engine.abort(rid)
-                self._streams.clear()
+                for rid in list(self.engine.groups):  # every request, with or without a reader
+                    out = self.engine.abort(rid)
+                    if out is not None:
+                        self._deliver(out)
                 self.loop_error = None
+                continue
+            if self.engine.num_steps == steps:  # nothing could be scheduled: wait for a change, never spin
+                log.warning("no request can be scheduled (%d waiting); waiting for adds or aborts",
+                            len(self.engine.groups))
+                self._wake.clear()
+                if not self._ops:
+                    await self._wake.wait()
                 continue
             self.last_progress = time.monotonic()
             for out in outs:

@@ -1,0 +1,68 @@
+"""The server's engine loop in-process: streams owned by their handlers, engine failures contained."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.server.async_engine import AsyncEngine, NewRequest
+
+
+async def started(model: str) -> AsyncEngine:
+    eng = AsyncEngine(EngineConfig(model=model, num_kv_blocks=32, block_size=16))
+    await eng.start()
+    while eng.engine is None:
+        await asyncio.sleep(0.01)
+    return eng
+
+
+async def collect(eng: AsyncEngine, stream) -> list:  # noqa: ANN001
+    return [out async for out in eng.stream(stream)]
+
+
+def test_outputs_wait_for_a_late_reader(llama_dir):  # noqa: ANN001
+    async def main() -> None:
+        eng = await started(llama_dir)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, n=3)
+        streams = await eng.add([NewRequest(f"r{i}", {"prompt_token_ids": [1, 2, 3 + i]}, params) for i in range(4)])
+        while eng.engine.has_unfinished_requests():  # every request finishes before anyone reads
+            await asyncio.sleep(0.01)
+        for s in streams:
+            outs = await collect(eng, s)
+            assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [1, 1, 1]
+        await eng.stop()
+
+    asyncio.run(main())
+
+
+def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_serving(llama_dir):  # noqa: ANN001
+    async def main() -> None:
+        eng = await started(llama_dir)
+        real = eng.engine.sampler.sample
+        calls = {"n": 0}
+
+        def failing(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected")
+            return real(*a, **kw)
+
+        eng.engine.sampler.sample = failing
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2)
+        streams = await eng.add([NewRequest(f"f{i}", {"prompt_token_ids": [5, 6, 7 + i]}, params) for i in range(3)])
+        for s in streams:
+            with pytest.raises(RuntimeError, match="engine failure: injected"):
+                await collect(eng, s)
+        await asyncio.sleep(0.05)
+        core = eng.engine
+        assert not core.groups and not core.scheduler.running and not core.scheduler.waiting
+        assert core.block_manager.num_used_blocks == 0
+        (s,) = await eng.add([NewRequest("after", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4))])
+        outs = await collect(eng, s)
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+        await eng.stop()
+
+    asyncio.run(main())
