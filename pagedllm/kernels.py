@@ -60,6 +60,9 @@ class Ops:
     rms_norm: object
     rope_: object
     argmax_rows: object
+    pack_bf16: object
+    linear_bf16: object
+    linear_bf16_isa: str
 
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
         """layer.packed_weight / packed_bias were set by LlamaForCausalLM.set_ops."""
@@ -113,14 +116,22 @@ def load_extension(name: str, sources: list[Path], flags: list[str], where: Path
                     build_directory=str(where), verbose=False)
 
 
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "linear_bf16.cpp"]
+
+
+def ops_build_dir() -> Path:
+    return build_dir(build_key([*_SOURCES, _CSRC / "linear_bf16.h"], _FLAGS, cpu_isa_flags()))
+
+
 @cache  # one build per process: the compiled library never changes once loaded
 def load_ops() -> Ops | None:
     if os.environ.get("PAGEDLLM_NO_CPP"):
         return None
     try:
-        sources = [Path(__file__).parent / "csrc" / "ops.cpp"]
-        mod = load_extension("pagedllm_ops", sources, _FLAGS, build_dir(build_key(sources, _FLAGS, cpu_isa_flags())))
-        return Ops(mod.paged_attention, mod.packed_linear, mod.silu_and_mul, mod.rms_norm, mod.rope_, mod.argmax_rows)
+        mod = load_extension("pagedllm_ops", _SOURCES, _FLAGS, ops_build_dir())
+        return Ops(mod.paged_attention, mod.packed_linear, mod.silu_and_mul, mod.rms_norm, mod.rope_, mod.argmax_rows,
+                   mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa())
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None

@@ -119,12 +119,10 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):  # noqa: ANN001
     """torch's `lock` file left by a killed build used to hang every later start forever."""
     import subprocess
     import sys
-    from pathlib import Path
 
     from pagedllm import kernels
 
-    sources = [Path(kernels.__file__).parent / "csrc" / "ops.cpp"]
-    where = kernels.build_dir(kernels.build_key(sources, kernels._FLAGS, kernels.cpu_isa_flags()))
+    where = kernels.ops_build_dir()
     (where / "lock").write_text("")
     code = "from pagedllm.kernels import load_ops; assert load_ops() is not None"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

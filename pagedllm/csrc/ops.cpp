@@ -15,6 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_bf16.h"
+
 typedef float v8f __attribute__((vector_size(32)));
 
 static inline v8f load8(const float* p) {
@@ -405,5 +407,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, bf16 or fp8 pool; fp32 math; CPU)");
+  m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
+  m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
+  m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }
