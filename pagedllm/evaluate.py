@@ -53,3 +53,22 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> float:
         total += len(a)
         same += sum(x == y for x, y in zip(a, b))
     return same / total if total else 1.0
+
+
+def compare_to_reference(ref: LLMEngine, other: LLMEngine, token_ids: list[int], chunk: int = 512) -> dict:
+    """Teacher-forced on one text: perplexity of both, mean KL(ref || other) per position, and how often
+    the top-1 tokens agree. For weight formats, against an fp32 engine on the same weights."""
+    nll = {"ref": 0.0, "other": 0.0}
+    kl_sum, agree, count = 0.0, 0, 0
+    for (start, a), (_, b) in zip(chunk_logits(ref, token_ids, chunk), chunk_logits(other, token_ids, chunk)):
+        targets = torch.tensor(token_ids[start + 1:start + len(a) + 1], dtype=torch.long)
+        k = len(targets)
+        la, lb = torch.log_softmax(a[:k].double(), -1), torch.log_softmax(b[:k].double(), -1)  # [k, vocab]
+        rows = torch.arange(k)
+        nll["ref"] -= float(la[rows, targets].sum())
+        nll["other"] -= float(lb[rows, targets].sum())
+        kl_sum += float((la.exp() * (la - lb)).sum())
+        agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+        count += k
+    return {"tokens": count, "perplexity_ref": math.exp(nll["ref"] / count),
+            "perplexity": math.exp(nll["other"] / count), "mean_kl": kl_sum / count, "top1_agreement": agree / count}

@@ -41,6 +41,11 @@ def pack_weight(w: Tensor) -> Tensor:
 
 
 def unpack_weight(packed: Tensor, out_features: int) -> Tensor:
+    """Either panel layout back to [O, K]: fp32 [P, K, 48] or bf16 pairs [P, K/2, 48, 2] (odd K: the
+    zero column of the last pair is kept, so pass in_features to slice it off if it matters)."""
+    if packed.dim() == 4:  # bf16 [P, K2, 48, 2] -> [P, 48, K2, 2] -> [P * 48, 2 * K2]
+        p, k2 = packed.shape[:2]
+        return packed.permute(0, 2, 1, 3).reshape(p * PANEL, 2 * k2)[:out_features].contiguous()
     p, k, _ = packed.shape
     return packed.transpose(1, 2).reshape(p * PANEL, k)[:out_features].contiguous()
 
@@ -65,8 +70,11 @@ class Ops:
     linear_bf16_isa: str
 
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
-        """layer.packed_weight / packed_bias were set by LlamaForCausalLM.set_ops."""
-        return self.packed_linear(x, layer.packed_weight, layer.packed_bias, layer.out_features)
+        """layer.packed_weight / packed_bias were set by LlamaForCausalLM.set_ops; x and y fp32."""
+        w = layer.packed_weight
+        if w.dtype == torch.bfloat16:
+            return self.linear_bf16(x, w, layer.packed_bias, layer.out_features)
+        return self.packed_linear(x, w, layer.packed_bias, layer.out_features)
 
 
 def cpu_isa_flags() -> str:

@@ -28,12 +28,19 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
-        self.dtype = model.embed_tokens.weight.dtype
+        weight_dtype = model.embed_tokens.weight.dtype
+        ops = load_ops() if weight_dtype in (torch.float32, torch.bfloat16) else None
+        if ops is not None and weight_dtype == torch.bfloat16:
+            # bf16 weights through the C++ bf16 linear; activations, norms, embeddings and the residual
+            # stream in fp32 (packed before .float(), so the linears are never held in fp32)
+            model.set_ops(ops, torch.bfloat16)
+            model.float()
+        else:
+            model.set_ops(ops)
+        self.dtype = model.embed_tokens.weight.dtype  # of the activations
         self.sliding_window = cfg.sliding_window
         self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)
                        for _ in range(cfg.num_layers)]
-        ops = load_ops() if self.dtype == torch.float32 else None
-        model.set_ops(ops)
         self.argmax = ops.argmax_rows if ops is not None else None
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
         self.op = ops.paged_attention if ops is not None and op_pool else None

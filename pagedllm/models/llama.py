@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if self.ops is None:
             return layer(x)
-        return self.ops.linear(x, layer)
+        return self.ops.linear(x, layer)  # [T, out] fp32 whatever the weights' format
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,23 +201,25 @@ class LlamaForCausalLM(nn.Module):
         others = sum(p.numel() for name, p in self.named_parameters() if "norm" in name or name.endswith("bias"))
         return self.matmul_params() + others
 
-    def set_ops(self, ops: Ops | None) -> None:
-        """Use the C++ kernels (fp32 only). Their linear reads weights packed in column panels; the
-        plain [out, in] copies are dropped (and rebuilt from the panels if the ops are turned off),
-        except a tied lm_head's, which is the embedding table."""
+    def set_ops(self, ops: Ops | None, weight_dtype: torch.dtype = torch.float32) -> None:
+        """Use the C++ kernels. Their linears read weights packed in column panels, fp32 or bf16
+        (weight_dtype); the plain [out, in] copies are dropped (and rebuilt from the panels if the ops
+        are turned off), except a tied lm_head's, which is the embedding table. Activations, norms and
+        the residual stream stay fp32 either way."""
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
         for lin in self._linears():
             packed = getattr(lin, "packed_weight", None)
             if ops is not None and packed is None:
-                lin.packed_weight = pack_weight(lin.weight.data)
-                lin.packed_bias = pad_bias(lin.bias.data) if lin.bias is not None else None
+                w = lin.weight.data
+                lin.packed_weight = ops.pack_bf16(w) if weight_dtype == torch.bfloat16 else pack_weight(w.float())
+                lin.packed_bias = pad_bias(lin.bias.data.float()) if lin.bias is not None else None
                 if lin.weight is not self.embed_tokens.weight:
-                    lin.weight.data = lin.weight.data.new_empty(0)
+                    lin.weight.data = w.new_empty(0)
             elif ops is None and packed is not None:
                 if lin.weight is not self.embed_tokens.weight:
-                    lin.weight.data = unpack_weight(packed, lin.out_features)
+                    lin.weight.data = unpack_weight(packed, lin.out_features).to(lin.weight.dtype)
                 lin.packed_weight = lin.packed_bias = None
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
