@@ -102,6 +102,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         if s.mask is None and not cache.lossy:
             ks, vs = k[sl], v[sl]
+            if cache.k.dtype != ks.dtype:  # attend to what the pool holds (rounded), as chunks and prefix hits do
+                ks, vs = ks.to(cache.k.dtype).to(ks.dtype), vs.to(cache.v.dtype).to(vs.dtype)
         else:
             ks, vs = cache.gather(s.block_table.unsqueeze(0))
             ks, vs = ks[0, :s.ctx_len], vs[0, :s.ctx_len]  # [ctx_len, KVH, D]

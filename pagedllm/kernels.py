@@ -143,3 +143,14 @@ def load_ops() -> Ops | None:
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None
+
+
+def auto_dtype() -> tuple[torch.dtype, str]:
+    """dtype="auto": bf16 weights where the compiled bf16 linear has native bf16 dot products, else fp32.
+    The one place that turns the CPU's instruction set into a choice of format."""
+    ops = load_ops()
+    if ops is None:
+        return torch.float32, "no C++ kernels"
+    if ops.linear_bf16_isa == "avx512_bf16":
+        return torch.bfloat16, "this CPU has AVX512-BF16 dot products"
+    return torch.float32, f"no native bf16 dot products on this CPU (bf16 kernel path: {ops.linear_bf16_isa})"

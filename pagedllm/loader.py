@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError
+from .kernels import auto_dtype
 from .models.llama import LlamaForCausalLM, ModelConfig
 from .tokenizer import Tokenizer
 
@@ -71,9 +72,10 @@ def load_model(model: str | os.PathLike | None, dtype: str = "auto") -> LoadedMo
 def _resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[dtype]
+    picked, why = auto_dtype()  # the CPU decides, not the checkpoint: fp16 and bf16 without native dots are slow
     stored = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    # fp16 matmuls are slow on CPU; bf16 checkpoints stay bf16
-    return torch.bfloat16 if stored == "bfloat16" else torch.float32
+    log.info("dtype auto: %s (%s; checkpoint stored as %s)", str(picked).removeprefix("torch."), why, stored)
+    return picked
 
 
 def load_hf_folder(path: Path, dtype: str = "auto") -> LoadedModel:

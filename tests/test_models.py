@@ -42,7 +42,7 @@ def hf_refs(tiny_models):  # noqa: ANN001, ANN201
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_hf(tiny_models, arch):  # noqa: ANN001
     path, model = tiny_models[arch]
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16, dtype="float32"))
     prompt = prompts_for(model.config.vocab_size)[6]  # 250 tokens: crosses the sliding window
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]  # [T, V]
@@ -59,7 +59,7 @@ def test_prefill_logits_match_hf(tiny_models, arch):  # noqa: ANN001
 def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):  # noqa: ANN001
     """A prefill chunk that starts mid-sequence attends causally to the cached blocks."""
     path, model = tiny_models[arch]
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16, dtype="float32"))
     if not use_op:
         engine.runner.op = None
     else:
@@ -87,7 +87,7 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
     path, model = tiny_models[arch]
     prompts = prompts_for(model.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    llm = LLM(model=path, block_size=block_size, kv_cache_memory="64MiB", max_num_batched_tokens=512)
+    llm = LLM(model=path, block_size=block_size, kv_cache_memory="64MiB", max_num_batched_tokens=512, dtype="float32")
     together = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]
     if block_size == 16:
@@ -108,7 +108,7 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
 def test_packed_weights_keep_the_model_shape_accounting(tiny_models):  # noqa: ANN001
     """With the C++ ops the linears hold panel-packed copies; counts and the torch path survive it."""
     path, hf = tiny_models["llama"]
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=16))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=16, dtype="float32"))
     model = engine.runner.model
     assert model.ops is not None and model.layers[0].qkv_proj.weight.numel() == 0
     hf_linear = sum(m.weight.numel() for m in hf.modules() if isinstance(m, torch.nn.Linear))
