@@ -164,6 +164,40 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Weight formats against an fp32 engine on the same weights, teacher-forced on one text."""
+    import json
+
+    from .evaluate import compare_to_reference
+    from .llm import LLM
+
+    text = open(args.text, encoding="utf-8").read()
+    common = dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len)
+    ref = LLM(dtype=args.reference, **common)
+    ids = ref.get_tokenizer().encode(text)
+    rows = []
+    for dt in args.dtypes.split(","):
+        llm = LLM(dtype=dt, **common)
+        r = compare_to_reference(ref.engine, llm.engine, ids, args.chunk)
+        model = llm.engine.runner.model
+        stored = [lin.weight if getattr(lin, "packed_weight", None) is None else lin.packed_weight
+                  for lin in model._linears()]
+        weight_bytes = sum(t.numel() * t.element_size() for t in stored)
+        rows.append({"dtype": dt, **r, "linear_weight_bytes": weight_bytes})
+        del llm
+    print(f"reference: {args.reference} weights, {rows[0]['tokens'] if rows else 0} tokens of {args.text}, "
+          f"KV {args.kv_cache_dtype}; perplexity {rows[0]['perplexity_ref'] if rows else float('nan'):.4f}")
+    print(f"{'dtype':10} {'perplexity':>11} {'vs ref':>8} {'mean KL':>10} {'top-1 same':>11} {'linear MiB':>11}")
+    for r in rows:
+        print(f"{r['dtype']:10} {r['perplexity']:>11.4f} {r['perplexity'] / r['perplexity_ref'] - 1:>+8.2%} "
+              f"{r['mean_kl']:>10.2e} {r['top1_agreement']:>11.2%} {r['linear_weight_bytes'] / 2**20:>11.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args) | {"func": None}, "rows": rows}, f, indent=1)
+    return 0
+
+
 def cmd_eval_kv(args: argparse.Namespace) -> int:
     import json
 
@@ -303,9 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--plot", default=None, help="PNG file")
     si.set_defaults(func=cmd_simulate)
 
+    ew = sub.add_parser("eval", help="weight formats vs an fp32 reference: perplexity, mean KL, top-1 agreement")
+    ew.add_argument("--model", default=None)
+    ew.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated weight dtypes to compare")
+    ew.add_argument("--reference", default="float32")
+    ew.add_argument("--text", default="tests/data/english.txt")
+    ew.add_argument("--kv-cache-dtype", default="float32", help="the same for every row, fp32 to isolate the weights")
+    ew.add_argument("--kv-cache-memory", default="1GiB")
+    ew.add_argument("--max-model-len", type=int, default=4096)
+    ew.add_argument("--chunk", type=int, default=512)
+    ew.add_argument("--json", default=None)
+    ew.set_defaults(func=cmd_eval)
+
     ev = sub.add_parser("eval-kv", help="perplexity and greedy agreement of each KV cache dtype")
     ev.add_argument("--model", default=None)
-    ev.add_argument("--dtype", default="auto")
+    ev.add_argument("--dtype", default="float32", help="weights; fp32 isolates the KV dtype's effect")
     ev.add_argument("--text", default="tests/data/english.txt", help="an English text (>= 2000 tokens)")
     ev.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2")
     ev.add_argument("--kv-cache-memory", default="1GiB")

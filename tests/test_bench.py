@@ -18,7 +18,7 @@ def run_bench(*args: str) -> None:
 
 def test_throughput_vs_hf_static(llama_dir, tmp_path):  # noqa: ANN001
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    run_bench("throughput", "--model", llama_dir, "--workload", "mixed", "--num-requests", "6",
+    run_bench("throughput", "--model", llama_dir, "--workload", "mixed", "--num-requests", "6", "--dtype", "float32",
               "--batch-size", "2", "4", "--json", str(out), "--plot", str(png), "--max-model-len", "1024")
     d = json.loads(out.read_text())
     assert {"cores", "torch", "threads"} <= d["machine"].keys()
@@ -28,7 +28,7 @@ def test_throughput_vs_hf_static(llama_dir, tmp_path):  # noqa: ANN001
     work = mixed(6, 320, 0)
     want_out = sum(w.max_tokens for w in work)
     ours, *base = d["results"]
-    assert [r["system"] for r in d["results"]] == ["pagedllm", "hf-static B=2", "hf-static B=4"]
+    assert [r["system"] for r in d["results"]] == ["pagedllm fp32", "hf-static B=2", "hf-static B=4"]
     for r in d["results"]:
         assert r["output_tokens"] == want_out and r["requests"] == 6
         assert r["prompt_tokens"] == sum(len(w.prompt_token_ids) for w in work)

@@ -202,7 +202,7 @@ def test_abort_frees_blocks_and_reports(llama_dir):  # noqa: ANN001
 
 
 def test_kv_budget_arithmetic(llama_dir):  # noqa: ANN001
-    e = LLMEngine(EngineConfig(model=llama_dir, kv_cache_memory="1MiB", block_size=16))
+    e = LLMEngine(EngineConfig(model=llama_dir, kv_cache_memory="1MiB", block_size=16, dtype="float32"))
     # 2 layers x 2 (K,V) x 2 kv heads x 16 head_dim x 4 bytes = 512 bytes/token
     assert e.kv_bytes_per_token == 512
     assert e.block_manager.num_blocks == 2**20 // (512 * 16)

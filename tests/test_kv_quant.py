@@ -69,10 +69,11 @@ def test_default_model_fp8_perplexity_within_2_percent():
 def test_bf16_pool_through_the_cpp_op_equals_the_torch_path(llama_dir):  # noqa: ANN001
     """The C++ attention widens bf16 pool rows to fp32; the torch path gathers and converts them.
     (fp8 is compared op-level in test_kernels: there a 1e-7 difference upstream can move a value
-    across an fp8 rounding boundary, so whole-model logits differ by ~1e-2 by design.)"""
+    across an fp8 rounding boundary, so whole-model logits differ by ~1e-2 by design; so would bf16 weights,
+    which round every linear's input to bf16: fp32 weights here.)"""
     ids = [(i * 37 + i * i * 11) % 320 for i in range(300)]
-    with_op = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16)
-    without = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16)
+    with_op = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16, dtype="float32")
+    without = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16, dtype="float32")
     assert with_op.engine.runner.op is not None
     without.engine.runner.op = None
     a = torch.cat([lg for _, lg in chunk_logits(with_op.engine, ids, chunk=64)])

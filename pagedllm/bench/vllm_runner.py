@@ -24,6 +24,9 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=it["prompt_token_ids"]) for it in items]
     params = [SamplingParams(temperature=0.0, max_tokens=it["max_tokens"], ignore_eos=True, detokenize=False)
               for it in items]
+    # warm-up (untimed): vLLM compiles and caches kernels for the shapes it meets first
+    llm.generate(prompts[:8], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)] * 8,
+                 use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0

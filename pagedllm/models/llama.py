@@ -191,6 +191,13 @@ class LlamaForCausalLM(nn.Module):
         per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
         return [lin for group in per_layer for lin in group] + [self.lm_head]
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The linears' storage format (the packed copy's when the C++ ops hold one)."""
+        lin = self.layers[0].qkv_proj
+        packed = getattr(lin, "packed_weight", None)
+        return (packed if packed is not None else lin.weight).dtype
+
     def matmul_params(self) -> int:
         """Weights every token multiplies through (all linears, lm_head included), however stored."""
         return sum(lin.in_features * lin.out_features for lin in self._linears())
