@@ -1,7 +1,8 @@
 """How close is a decode step to what this machine can physically do?
 
 Measures, with torch on the machine at hand, the memory bandwidth (streaming a large fp32
-tensor) and the matmul rate (large fp32 GEMM), then times real decode steps at a batch size.
+tensor) and the matmul rate (large GEMM in the engine's weight dtype, fp32 or bf16), then times
+real decode steps at a batch size.
 The floor of a step is max(bytes it must read / bandwidth, FLOPs / matmul rate); bytes = the
 weights once per step plus the KV of every sequence's context.
 """
@@ -37,17 +38,25 @@ def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
     return nbytes / best
 
 
-def measure_matmul(n: int = 2048, reps: int = 5) -> float:
-    """The faster of torch's matmul (MKL) and our packed-weight kernel on an n^3 fp32 product: the
-    ceiling is what this machine can be made to do, not what one library does."""
+def measure_matmul(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """The fastest of torch's matmul (MKL for fp32, oneDNN for bf16) and our packed-weight kernel on an
+    n^3 product with weights in `dtype`: the ceiling is what this machine can be made to do, not what
+    one library does."""
     from ..kernels import load_ops, pack_weight
 
     a, b = torch.randn(n, n), torch.randn(n, n)
-    candidates = [lambda: a @ b]
     ops = load_ops()
-    if ops is not None:
-        packed = pack_weight(b)
-        candidates.append(lambda: ops.packed_linear(a, packed, None, n))
+    if dtype == torch.bfloat16:
+        ab, bb = a.bfloat16(), b.bfloat16()
+        candidates = [lambda: ab @ bb]
+        if ops is not None:
+            packed = ops.pack_bf16(b)
+            candidates.append(lambda: ops.linear_bf16(a, packed, None, n))
+    else:
+        candidates = [lambda: a @ b]
+        if ops is not None:
+            packed = pack_weight(b)
+            candidates.append(lambda: ops.packed_linear(a, packed, None, n))
     best = float("inf")
     for f in candidates:
         f()
@@ -62,10 +71,10 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False}))
     model = engine.runner.model
     # counted from the module shapes: with the C++ ops the linears hold packed copies, not .weight
-    elem = model.embed_tokens.weight.element_size()
-    step_weight_bytes = model.step_weight_numel() * elem
+    wdtype = model.weight_dtype
+    step_weight_bytes = model.step_weight_numel() * torch.tensor([], dtype=wdtype).element_size()
     matmul_params = model.matmul_params()
-    bw, flops = measure_bandwidth(), measure_matmul()
+    bw, flops = measure_bandwidth(), measure_matmul(dtype=wdtype)
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     for i in range(args.batch):
@@ -85,12 +94,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     attn_flops = 4 * args.batch * ctx * model.cfg.num_heads * model.cfg.head_dim * model.cfg.num_layers
     flop_floor = (2 * matmul_params * args.batch + attn_flops) / flops
     floor = max(bytes_floor, flop_floor)
-    summary = {"batch": args.batch, "context_len": ctx, "bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": flops / 1e9,
+    summary = {"weight_dtype": str(wdtype).removeprefix("torch."),
+               "batch": args.batch, "context_len": ctx, "bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": flops / 1e9,
                "weight_bytes_per_step": step_weight_bytes, "kv_bytes_per_step": kv_bytes,
                "bytes_floor_s": bytes_floor, "flops_floor_s": flop_floor, "floor_s": floor,
                "achieved_step_s": step, "achieved_over_floor": step / floor,
                "decode_tokens_per_s": args.batch / step}
-    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s fp32 matmul")
+    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s {summary['weight_dtype']} matmul")
     print(f"decode step, batch {args.batch}, context ~{ctx}:")
     print(f"  memory floor   {bytes_floor * 1000:8.2f} ms  ({(step_weight_bytes + kv_bytes) / 2**20:.0f} MiB weights+KV)")
     print(f"  compute floor  {flop_floor * 1000:8.2f} ms")
