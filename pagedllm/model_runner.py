@@ -15,6 +15,8 @@ from .models.llama import LlamaForCausalLM
 from .request import Request
 from .scheduler import ScheduledRequest, SchedulerOutput
 
+PAGED_CHUNK_MAX = 16  # query rows of a mid-sequence chunk above which it goes to SDPA (measured: shared prefix)
+
 
 @dataclass
 class StepResult:
@@ -76,13 +78,16 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
             nb = -(-ctx // bs)
-            if kind(s) < 2:
+            # the op serves decodes and short chunks; a long chunk behind a cached prefix runs as one
+            # gathered SDPA (matrix products over the whole chunk beat the op's row-at-a-time loop)
+            paged = kind(s) < 2 and (self.op is None or n < PAGED_CHUNK_MAX)
+            if paged:
                 paged_tables.append(table[:nb])
                 paged_meta.append((q_start, n, ctx))
             if n == 1:
                 dec_tables.append(table[:nb])
                 dec_lens.append(ctx)
-            elif self.op is None or kind(s) == 2:  # with the op, mid-sequence chunks are paged rows
+            elif self.op is None or not paged:
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
                                            build_mask(n, ctx, self.sliding_window)))
             if all_logits:

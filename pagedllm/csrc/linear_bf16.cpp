@@ -157,16 +157,21 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   auto y = torch::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p) {
+  // work item = (block of MB rows, panel), row blocks outermost: the threads sweep the panels over one
+  // block of x at a time, so it stays in L2 instead of streaming all of x once per panel
+  constexpr int64_t MB = 128;
+  const int64_t nmb = (M + MB - 1) / MB;
+  at::parallel_for(0, nmb * P, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t p = item % P, m_lo = (item / P) * MB, m_hi = std::min(M, m_lo + MB);
       const uint16_t* panel = wp + p * K2 * NR * 2;
       const float* pb = b ? b + p * NR : nullptr;
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) tile_out<8>(xb.data() + m * K2, K2, panel, pb, yp + m * O + c0, O, cols);
+      int64_t m = m_lo;
+      for (; m + 8 <= m_hi; m += 8) tile_out<8>(xb.data() + m * K2, K2, panel, pb, yp + m * O + c0, O, cols);
       const uint32_t* xr = xb.data() + m * K2;
       float* yr = yp + m * O + c0;
-      switch (M - m) {
+      switch (m_hi - m) {
         case 7: tile_out<7>(xr, K2, panel, pb, yr, O, cols); break;
         case 6: tile_out<6>(xr, K2, panel, pb, yr, O, cols); break;
         case 5: tile_out<5>(xr, K2, panel, pb, yr, O, cols); break;
