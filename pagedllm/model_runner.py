@@ -54,8 +54,15 @@ class ModelRunner:
                 c.copy_block(src, dst)
         bs = self.block_size
 
-        def kind(s: ScheduledRequest) -> int:  # decodes, then mid-sequence chunks, then fresh prompts
-            return 0 if s.num_new_tokens == 1 else (1 if s.request.num_computed_tokens else 2)
+        def kind(s: ScheduledRequest) -> int:
+            """0 decodes, 1 short mid-sequence chunks (with 0: the op's rows, which must come first),
+            2 long mid-sequence chunks (gathered SDPA: matrix products beat the op's row-at-a-time
+            loop), 3 fresh prompts (SDPA over their own K/V)."""
+            if s.num_new_tokens == 1:
+                return 0
+            if s.request.num_computed_tokens:
+                return 1 if self.op is not None and s.num_new_tokens < PAGED_CHUNK_MAX else 2
+            return 3
 
         order = sorted(sched.scheduled, key=kind)
         ids: list[int] = []
@@ -78,16 +85,14 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
             nb = -(-ctx // bs)
-            # the op serves decodes and short chunks; a long chunk behind a cached prefix runs as one
-            # gathered SDPA (matrix products over the whole chunk beat the op's row-at-a-time loop)
-            paged = kind(s) < 2 and (self.op is None or n < PAGED_CHUNK_MAX)
+            paged = kind(s) < 2
             if paged:
                 paged_tables.append(table[:nb])
                 paged_meta.append((q_start, n, ctx))
             if n == 1:
                 dec_tables.append(table[:nb])
                 dec_lens.append(ctx)
-            elif self.op is None or not paged:
+            elif not paged or self.op is None:
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
                                            build_mask(n, ctx, self.sliding_window)))
             if all_logits:
