@@ -25,7 +25,8 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=it["max_tokens"], ignore_eos=True, detokenize=False)
               for it in items]
     # warm-up (untimed): vLLM compiles and caches kernels for the shapes it meets first
-    llm.generate(prompts[:8], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)] * 8,
+    warm = prompts[:8]
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)] * len(warm),
                  use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
