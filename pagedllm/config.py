@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ConfigError
+
+
+def cache_dir() -> Path:
+    """Where converted weights and compiled kernels live (PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm)."""
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 _UNITS = {
     "": 1, "b": 1,

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .config import cache_dir
+
 log = logging.getLogger("pagedllm")
 
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -99,8 +101,7 @@ def build_key(sources: list[Path], flags: list[str], isa: str) -> str:
 
 
 def build_dir(key: str) -> Path:
-    base = Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
-    return base / "ops" / key
+    return cache_dir() / "ops" / key
 
 
 def load_extension(name: str, sources: list[Path], flags: list[str], where: Path):  # noqa: ANN201 - the module
@@ -129,7 +130,7 @@ _SOURCES = [_CSRC / "ops.cpp", _CSRC / "linear_bf16.cpp"]
 
 
 def ops_build_dir() -> Path:
-    return build_dir(build_key([*_SOURCES, _CSRC / "linear_bf16.h"], _FLAGS, cpu_isa_flags()))
+    return build_dir(build_key([*_SOURCES, *sorted(_CSRC.glob("*.h"))], _FLAGS, cpu_isa_flags()))
 
 
 @cache  # one build per process: the compiled library never changes once loaded

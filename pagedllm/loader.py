@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import cache_dir
 from .errors import ModelLoadError
 from .kernels import auto_dtype
 from .models.llama import LlamaForCausalLM, ModelConfig
@@ -51,8 +52,6 @@ def default_model_path() -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
 
 
 def load_model(model: str | os.PathLike | None, dtype: str = "auto") -> LoadedModel:

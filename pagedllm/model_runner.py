@@ -92,7 +92,7 @@ class ModelRunner:
             if n == 1:
                 dec_tables.append(table[:nb])
                 dec_lens.append(ctx)
-            elif not paged or self.op is None:
+            elif not paged:
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
                                            build_mask(n, ctx, self.sliding_window)))
             if all_logits:

@@ -89,10 +89,6 @@ class SamplingParams:
         if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             bad("bad_words", "must be non-empty strings")
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id these params name, for the engine's vocabulary check."""
-        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
-
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import cache_dir
 from ..errors import ModelLoadError
-from ..loader import cache_dir, gguf_cache_key
+from ..loader import gguf_cache_key
 from .common import now
 
 log = logging.getLogger("pagedllm")

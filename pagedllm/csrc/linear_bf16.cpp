@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "linear_bf16.h"
+#include "row_tiles.h"
 
 namespace {
 
@@ -167,20 +168,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
       const uint16_t* panel = wp + p * K2 * NR * 2;
       const float* pb = b ? b + p * NR : nullptr;
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      int64_t m = m_lo;
-      for (; m + 8 <= m_hi; m += 8) tile_out<8>(xb.data() + m * K2, K2, panel, pb, yp + m * O + c0, O, cols);
-      const uint32_t* xr = xb.data() + m * K2;
-      float* yr = yp + m * O + c0;
-      switch (m_hi - m) {
-        case 7: tile_out<7>(xr, K2, panel, pb, yr, O, cols); break;
-        case 6: tile_out<6>(xr, K2, panel, pb, yr, O, cols); break;
-        case 5: tile_out<5>(xr, K2, panel, pb, yr, O, cols); break;
-        case 4: tile_out<4>(xr, K2, panel, pb, yr, O, cols); break;
-        case 3: tile_out<3>(xr, K2, panel, pb, yr, O, cols); break;
-        case 2: tile_out<2>(xr, K2, panel, pb, yr, O, cols); break;
-        case 1: tile_out<1>(xr, K2, panel, pb, yr, O, cols); break;
-        default: break;
-      }
+      for_row_tiles(m_lo, m_hi, [&](int64_t m, auto R) {
+        tile_out<decltype(R)::value>(xb.data() + m * K2, K2, panel, pb, yp + m * O + c0, O, cols);
+      });
     }
   });
   return y;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "linear_bf16.h"
+#include "row_tiles.h"
 
 typedef float v8f __attribute__((vector_size(32)));
 
@@ -100,20 +101,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
       const float* panel = wp + p * K * NR;
       const float* pb = bp ? bp + p * NR : nullptr;
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) linear_tile<8>(xp + m * K, K, panel, pb, op + m * O + c0, O, cols);
-      const float* xr = xp + m * K;
-      float* yr = op + m * O + c0;
-      switch (M - m) {
-        case 7: linear_tile<7>(xr, K, panel, pb, yr, O, cols); break;
-        case 6: linear_tile<6>(xr, K, panel, pb, yr, O, cols); break;
-        case 5: linear_tile<5>(xr, K, panel, pb, yr, O, cols); break;
-        case 4: linear_tile<4>(xr, K, panel, pb, yr, O, cols); break;
-        case 3: linear_tile<3>(xr, K, panel, pb, yr, O, cols); break;
-        case 2: linear_tile<2>(xr, K, panel, pb, yr, O, cols); break;
-        case 1: linear_tile<1>(xr, K, panel, pb, yr, O, cols); break;
-        default: break;
-      }
+      for_row_tiles(0, M, [&](int64_t m, auto R) {
+        linear_tile<decltype(R)::value>(xp + m * K, K, panel, pb, op + m * O + c0, O, cols);
+      });
     }
   });
   return out;
