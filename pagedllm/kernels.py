@@ -70,6 +70,9 @@ class Ops:
     pack_bf16: object
     linear_bf16: object
     linear_bf16_isa: str
+    linear_ggml: object
+    dequantize_ggml: object
+    linear_ggml_isa: str
 
     def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
         """layer.packed_weight / packed_bias were set by LlamaForCausalLM.set_ops; x and y fp32."""
@@ -126,7 +129,7 @@ def load_extension(name: str, sources: list[Path], flags: list[str], where: Path
 
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "ops.cpp", _CSRC / "linear_bf16.cpp"]
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "linear_bf16.cpp", _CSRC / "linear_ggml.cpp"]
 
 
 def ops_build_dir() -> Path:
@@ -140,7 +143,8 @@ def load_ops() -> Ops | None:
     try:
         mod = load_extension("pagedllm_ops", _SOURCES, _FLAGS, ops_build_dir())
         return Ops(mod.paged_attention, mod.packed_linear, mod.silu_and_mul, mod.rms_norm, mod.rope_, mod.argmax_rows,
-                   mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa())
+                   mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(), mod.linear_ggml, mod.dequantize_ggml,
+                   mod.linear_ggml_isa())
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "linear_bf16.h"
+#include "linear_ggml.h"
 #include "row_tiles.h"
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -400,5 +401,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
   m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");
+  m.def("linear_ggml", &linear_ggml, "x @ w.T (+ b), w in a ggml block format as GGUF stores it, x and y fp32 (CPU)");
+  m.def("dequantize_ggml", &dequantize_ggml, "rows of a ggml block format -> fp32 [rows, K]");
+  m.def("linear_ggml_isa", &linear_ggml_isa, "the instruction set linear_ggml's integer dot was compiled for");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }

@@ -1,0 +1,128 @@
+// The bf16 panel micro-kernel, shared by linear_bf16.cpp (weights packed once at load) and
+// linear_ggml.cpp (quantized weights dequantized a panel at a time for prefill-sized batches).
+// Panel layout [K2, 48, 2] bf16: for each pair of k the two weights of a column side by side, the
+// operand layout of vdpbf16ps. R (<= 8) rows x 48 columns, 3R fp32 accumulators.
+// ISA paths (compile-time; -march=native, build keyed by the CPU's flags):
+//   AVX512-BF16: vdpbf16ps;  AVX512F: bf16 pairs widened to fp32 in registers, two FMAs;
+//   otherwise: scalar widening (the compiler vectorizes what it can, e.g. AVX2).
+#pragma once
+#include <immintrin.h>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+namespace bf16 {
+
+inline constexpr int64_t NR = 48;  // output columns per panel
+
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+[[maybe_unused]] inline float from_bf16(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// xp: R rows of K2 bf16 pairs (uint32 each); panel: [K2, 48, 2]; out: R rows of 48 floats
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+inline constexpr const char* kIsa = "avx512_bf16";
+
+template <int R>
+inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* out) {
+  __m512 acc[R][3];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* pk = panel + k * NR * 2;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(pk);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pk + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(pk + 64);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i * K2 + k]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xv);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xv);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(out + i * NR + j * 16, acc[i][j]);
+}
+
+#elif defined(__AVX512F__)
+inline constexpr const char* kIsa = "avx512f";
+
+template <int R>
+inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* out) {
+  __m512 acc[R][3];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* pk = panel + k * NR * 2;
+    __m512 we[3], wo[3];  // the even-k and odd-k weights of 16 columns, widened
+    for (int j = 0; j < 3; ++j) {
+      const __m512i v = _mm512_loadu_si512(pk + 32 * j);
+      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+    }
+    for (int i = 0; i < R; ++i) {
+      const uint32_t pair = xp[i * K2 + k];
+      const __m512 xe = _mm512_set1_ps(from_bf16(static_cast<uint16_t>(pair & 0xffff)));
+      const __m512 xo = _mm512_set1_ps(from_bf16(static_cast<uint16_t>(pair >> 16)));
+      for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_fmadd_ps(wo[j], xo, _mm512_fmadd_ps(we[j], xe, acc[i][j]));
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < 3; ++j) _mm512_storeu_ps(out + i * NR + j * 16, acc[i][j]);
+}
+
+#else
+inline constexpr const char* kIsa = "generic";
+
+template <int R>
+inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* out) {
+  float acc[R][NR] = {};
+  for (int64_t k = 0; k < K2; ++k) {
+    const uint16_t* pk = panel + k * NR * 2;
+    for (int i = 0; i < R; ++i) {
+      const float xe = from_bf16(static_cast<uint16_t>(xp[i * K2 + k] & 0xffff));
+      const float xo = from_bf16(static_cast<uint16_t>(xp[i * K2 + k] >> 16));
+      for (int64_t c = 0; c < NR; ++c) acc[i][c] += from_bf16(pk[2 * c]) * xe + from_bf16(pk[2 * c + 1]) * xo;
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < NR; ++c) out[i * NR + c] = acc[i][c];
+}
+#endif
+
+template <int R>
+inline void tile_out(const uint32_t* xp, int64_t K2, const uint16_t* panel, const float* bias, float* y, int64_t O,
+                     int64_t cols) {
+  float tmp[R * NR];
+  tile<R>(xp, K2, panel, tmp);
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < cols; ++c) y[i * O + c] = tmp[i * NR + c] + (bias ? bias[c] : 0.f);
+}
+
+// x [M, K] fp32 -> rows of ceil(K / 2) bf16 pairs (round to nearest even; an odd K's tail zero)
+inline std::vector<uint32_t> pairs(const float* xf, int64_t M, int64_t K) {
+  const int64_t K2 = (K + 1) / 2;
+  std::vector<uint32_t> xb(M * K2, 0);
+  at::parallel_for(0, M, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m)
+      for (int64_t k = 0; k < K; ++k)
+        xb[m * K2 + k / 2] |= static_cast<uint32_t>(to_bf16(xf[m * K + k])) << (16 * (k % 2));
+  });
+  return xb;
+}
+
+}  // namespace bf16

@@ -1,0 +1,97 @@
+"""The ggml block-format kernels (csrc/linear_ggml.cpp) against gguf-py's reference dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from pagedllm.kernels import load_ops  # noqa: E402
+
+FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201
+    o = load_ops()
+    if o is None:
+        pytest.skip("C++ kernels unavailable")
+    return o
+
+
+def random_blocks(t: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """[rows, row_bytes] uint8: gguf-py's quantizer where it has one, else random bytes with finite
+    fp16 scales (every bit pattern of a K-quant block's quants and 6-bit scales is a valid block)."""
+    rng = np.random.default_rng(seed)
+    if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+        return quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, t)
+    qk, nbytes = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(rows, k // qk, nbytes), dtype=np.uint8)
+
+    def fp16(scale: float) -> np.ndarray:
+        return (rng.random((rows, k // qk)) * scale + scale / 10).astype(np.float16).view(np.uint8).reshape(
+            rows, k // qk, 2)
+
+    if t == T.Q6_K:
+        raw[..., 208:210] = fp16(0.002)
+    else:
+        raw[..., 0:2], raw[..., 2:4] = fp16(0.01), fp16(0.01)
+    return raw.reshape(rows, -1)
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the integer dot sees it: per 32 values, int8 with scale max|x| / 127."""
+    m, k = x.shape
+    blocks = x.double().view(m, k // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
+    return (q * d).view(m, k)
+
+
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_dequantize_is_bit_exact(ops, t: T) -> None:  # noqa: ANN001
+    raw = random_blocks(t, 37, 512)
+    ref = dequantize(raw, t).reshape(37, 512)
+    out = ops.dequantize_ggml(torch.from_numpy(raw), int(t), 512)
+    assert torch.equal(out, torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: int) -> None:  # noqa: ANN001
+    """Decode-sized batches: exactly ggml's arithmetic (int8 activations per 32) up to fp32 summation
+    order; so the only error against fp32 is the activations' rounding, measured below."""
+    o, k = 61, 512
+    raw = random_blocks(t, o, k, seed=m)
+    w = torch.from_numpy(dequantize(raw, t).reshape(o, k)).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(o)
+    y = ops.linear_ggml(x, torch.from_numpy(raw), int(t), bias, o)
+    exact = quantized_activations(x) @ w.T + bias.double()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    fp32 = x.double() @ w.T + bias.double()
+    assert ((y.double() - fp32).norm() / fp32.norm()).item() < 0.01  # int8 activations: ~0.5% here
+
+
+@pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
+def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T) -> None:  # noqa: ANN001
+    o, k, m = 100, 512, 40  # 100 rows: two full 48-row panels and a partial one
+    raw = random_blocks(t, o, k)
+    w = torch.from_numpy(dequantize(raw, t).reshape(o, k))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    y = ops.linear_ggml(x, torch.from_numpy(raw), int(t), None, o)
+    ref = x.bfloat16().double() @ w.bfloat16().double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_bad_inputs_are_clear_errors(ops) -> None:  # noqa: ANN001
+    raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 64))
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_ggml(torch.randn(1, 96), raw, int(T.Q4_0), None, 8)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        ops.linear_ggml(torch.randn(1, 64), raw, int(T.IQ4_NL), None, 8)
