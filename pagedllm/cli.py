@@ -13,6 +13,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                   help="default: weights as stored (a GGUF's own formats); none: dequantize a GGUF to --dtype; "
+                        "else quantize the linears at load")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
     g.add_argument("--kv-cache-memory", default=None, help="KV pool budget, e.g. 512MiB, 2GiB")
@@ -29,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
 
 
-ENGINE_KEYS = ("model", "dtype", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
+ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
                "enable_chunked_prefill", "preemption_mode", "seed", "num_threads")
 
@@ -180,10 +183,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for dt in args.dtypes.split(","):
         llm = LLM(dtype=dt, **common)
         r = compare_to_reference(ref.engine, llm.engine, ids, args.chunk)
-        model = llm.engine.runner.model
-        stored = [lin.weight if getattr(lin, "packed_weight", None) is None else lin.packed_weight
-                  for lin in model._linears()]
-        weight_bytes = sum(t.numel() * t.element_size() for t in stored)
+        weight_bytes = llm.engine.runner.model.linear_weight_bytes()
         rows.append({"dtype": dt, **r, "linear_weight_bytes": weight_bytes})
         del llm
     print(f"reference: {args.reference} weights, {rows[0]['tokens'] if rows else 0} tokens of {args.text}, "

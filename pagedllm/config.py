@@ -39,12 +39,14 @@ def parse_size(value: int | float | str) -> int:
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # at-load targets: gguf-py's quantizers
 
 
 @dataclass
 class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # None: weights as stored; "none": dequantize a GGUF; q8_0, q4_0, ...
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default 2GiB when nothing is set
@@ -63,6 +65,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

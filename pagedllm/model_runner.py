@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata, PagedRows, PrefillSeq, build_decode_mask, build_mask
-from .kernels import load_ops
 from .kv_cache import KVCache
 from .kv_quant import FP8KVCache
 from .models.llama import LlamaForCausalLM
@@ -30,15 +29,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
-        weight_dtype = model.embed_tokens.weight.dtype
-        ops = load_ops() if weight_dtype in (torch.float32, torch.bfloat16) else None
-        if ops is not None and weight_dtype == torch.bfloat16:
-            # bf16 weights through the C++ bf16 linear; activations, norms, embeddings and the residual
-            # stream in fp32 (packed before .float(), so the linears are never held in fp32)
-            model.set_ops(ops, torch.bfloat16)
-            model.float()
-        else:
-            model.set_ops(ops)
+        ops = model.ops  # the loader packed the weights for them (or left the model on torch)
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
         self.sliding_window = cfg.sliding_window
         self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)

@@ -41,7 +41,7 @@ def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):  # noqa: ANN
     ref = LLM(model=llama_dir, dtype="float32")
     bf = LLM(model=llama_dir, dtype="bfloat16")
     lin = bf.engine.runner.model.layers[0].qkv_proj
-    assert lin.packed_weight.dtype == torch.bfloat16 and lin.weight.numel() == 0
+    assert lin.packed.format_name == "bf16" and lin.weight.numel() == 0
     assert bf.engine.runner.model.embed_tokens.weight.dtype == torch.float32  # activations stay fp32
     ids = [(i * 37 + i * i * 11) % 320 for i in range(600)]
     r = compare_to_reference(ref.engine, bf.engine, ids, chunk=128)

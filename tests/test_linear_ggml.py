@@ -71,7 +71,7 @@ def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: i
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k)).double()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(o)
-    y = ops.linear_ggml(x, torch.from_numpy(raw), int(t), bias, o)
+    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], bias, o)
     exact = quantized_activations(x) @ w.T + bias.double()
     torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     fp32 = x.double() @ w.T + bias.double()
@@ -84,7 +84,7 @@ def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T) 
     raw = random_blocks(t, o, k)
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
-    y = ops.linear_ggml(x, torch.from_numpy(raw), int(t), None, o)
+    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], None, o)
     ref = x.bfloat16().double() @ w.bfloat16().double().T
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -92,6 +92,19 @@ def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T) 
 def test_bad_inputs_are_clear_errors(ops) -> None:  # noqa: ANN001
     raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 64))
     with pytest.raises(RuntimeError, match="does not match"):
-        ops.linear_ggml(torch.randn(1, 96), raw, int(T.Q4_0), None, 8)
+        ops.linear_ggml(torch.randn(1, 96), [raw], [int(T.Q4_0)], None, 8)
     with pytest.raises(RuntimeError, match="no kernel"):
-        ops.linear_ggml(torch.randn(1, 64), raw, int(T.IQ4_NL), None, 8)
+        ops.linear_ggml(torch.randn(1, 64), [raw], [int(T.IQ4_NL)], None, 8)
+
+
+@pytest.mark.parametrize("m", [2, 40])
+def test_parts_of_different_formats_stack_along_the_outputs(ops, m: int) -> None:  # noqa: ANN001
+    """A fused q/k/v of a Q4_K_M file: Q4_K and Q6_K parts, one call, columns in part order."""
+    k = 512
+    parts = [(random_blocks(T.Q4_K, 40, k, seed=1), T.Q4_K), (random_blocks(T.Q6_K, 24, k, seed=2), T.Q6_K),
+             (random_blocks(T.Q8_0, 8, k, seed=3), T.Q8_0)]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(72)
+    y = ops.linear_ggml(x, [torch.from_numpy(r) for r, _ in parts], [int(t) for _, t in parts], bias, 72)
+    singles = [ops.linear_ggml(x, [torch.from_numpy(r)], [int(t)], None, r.shape[0]) for r, t in parts]
+    assert torch.equal(y, torch.cat(singles, dim=1) + bias)

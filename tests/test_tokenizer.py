@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.loader import default_model_path, gguf_to_hf_folder
+from pagedllm.bench.hf_folder import gguf_to_hf_folder
+from pagedllm.loader import default_model_path
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTILINGUAL = [

@@ -43,7 +43,7 @@ for m in [1, 2, 4, 8, 12, 15, 16, 24, 32, 64, 256]:
     t16 = median_time(lambda xs=xs: [ops.linear_bf16(xs[k], w, None, o) for w, (o, k) in zip(p16, shapes)])
     row = f"M={m:4}: bf16 {t16 * 1e3:7.2f} ms ({flops_per_row * m / t16 / 1e9:4.0f} GFLOP/s)"
     for t, ws in quant.items():
-        tq = median_time(lambda xs=xs, ws=ws, t=t: [ops.linear_ggml(xs[k], w, int(t), None, o)
+        tq = median_time(lambda xs=xs, ws=ws, t=t: [ops.linear_ggml(xs[k], [w], [int(t)], None, o)
                                                     for w, (o, k) in zip(ws, shapes)])
         row += f"  {t.name} {tq * 1e3:7.2f} ms ({flops_per_row * m / tq / 1e9:4.0f})"
     print(row, flush=True)

@@ -71,8 +71,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False}))
     model = engine.runner.model
     # counted from the module shapes: with the C++ ops the linears hold packed copies, not .weight
-    wdtype = model.weight_dtype
-    step_weight_bytes = model.step_weight_numel() * torch.tensor([], dtype=wdtype).element_size()
+    wformat = model.weight_format
+    step_weight_bytes = model.step_weight_bytes()
+    wdtype = torch.float32 if wformat == "f32" else torch.bfloat16  # quantized formats compute on bf16 tiles
     matmul_params = model.matmul_params()
     bw, flops = measure_bandwidth(), measure_matmul(dtype=wdtype)
     rng = random.Random(args.seed)
@@ -94,13 +95,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     attn_flops = 4 * args.batch * ctx * model.cfg.num_heads * model.cfg.head_dim * model.cfg.num_layers
     flop_floor = (2 * matmul_params * args.batch + attn_flops) / flops
     floor = max(bytes_floor, flop_floor)
-    summary = {"weight_dtype": str(wdtype).removeprefix("torch."),
+    summary = {"weight_format": wformat,
                "batch": args.batch, "context_len": ctx, "bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": flops / 1e9,
                "weight_bytes_per_step": step_weight_bytes, "kv_bytes_per_step": kv_bytes,
                "bytes_floor_s": bytes_floor, "flops_floor_s": flop_floor, "floor_s": floor,
                "achieved_step_s": step, "achieved_over_floor": step / floor,
                "decode_tokens_per_s": args.batch / step}
-    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s {summary['weight_dtype']} matmul")
+    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s {str(wdtype).removeprefix('torch.')} matmul")
     print(f"decode step, batch {args.batch}, context ~{ctx}:")
     print(f"  memory floor   {bytes_floor * 1000:8.2f} ms  ({(step_weight_bytes + kv_bytes) / 2**20:.0f} MiB weights+KV)")
     print(f"  compute floor  {flop_floor * 1000:8.2f} ms")

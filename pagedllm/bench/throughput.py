@@ -52,7 +52,7 @@ def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True)
     if bar:
         bar.close()
     st = engine.stats()
-    fmt = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(str(engine.runner.model.weight_dtype), "")
+    fmt = {"f32": "fp32"}.get(engine.runner.model.weight_format, engine.runner.model.weight_format)
     return result_row(f"pagedllm {fmt}".strip(), work, wall, out_tokens, rss.peak,
                       kv_utilization=util_num / util_den if util_den else 0.0, steps=steps,
                       peak_kv_blocks_used=st.peak_kv_blocks_used, num_preemptions=st.num_preemptions,
@@ -178,7 +178,8 @@ def engine_model_folder(model: str | None):  # noqa: ANN201
     """The HF folder holding the engine's weights (a GGUF is converted into one, in the cache)."""
     from pathlib import Path
 
-    from ..loader import default_model_path, gguf_to_hf_folder
+    from ..loader import default_model_path
+    from .hf_folder import gguf_to_hf_folder
 
     path = Path(model) if model else default_model_path()
     return gguf_to_hf_folder(path) if path.suffix == ".gguf" else path

@@ -1,5 +1,6 @@
-// y = x @ w.T (+ b) with w in one of ggml's quantized block formats (ggml_blocks.h), read as the
-// GGUF file stores it: w [O, row_bytes] uint8, each row K / QK blocks. x [M, K] fp32, y fp32.
+// y = x @ w.T (+ b) with w in ggml's quantized block formats (ggml_blocks.h), read as the GGUF file
+// stores them: w is one or more parts [O_i, row_bytes_i] uint8 stacked along the outputs (a fused
+// q/k/v may mix formats), each row K / QK blocks. x [M, K] fp32, y [M, sum O_i] fp32.
 //
 // Decode-sized batches (M < kDotRowsMax): the integer dot product, the way ggml pairs each type
 // with an int8 `vec_dot_type`. Each activation row is quantized per 32 values to int8 with an fp32
@@ -163,36 +164,36 @@ void dequantize_row(const uint8_t* row, int64_t K, float* out) {
     }
 }
 
+// y[:, col0 : col0 + rows of w] for one part; a is x quantized (decode-sized M) or xb its bf16 pairs
 template <class F>
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const float* bias, int64_t O) {
-  const int64_t M = x.size(0), K = x.size(1), row_bytes = w.size(1);
-  TORCH_CHECK(K % F::QK == 0 && row_bytes == K / F::QK * F::BYTES && w.size(0) >= O,
+void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int64_t K, const torch::Tensor& w,
+                 const float* bias, float* y, int64_t O, int64_t col0) {
+  const int64_t rows = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(K % F::QK == 0 && row_bytes == K / F::QK * F::BYTES,
               "linear_ggml: x [", M, ", ", K, "] does not match a weight of rows of ", row_bytes, " bytes");
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  auto y = torch::empty({M, O}, x.options());
-  float* yp = y.data_ptr<float>();
-  if (M < kDotRowsMax) {
-    const QAct a = quantize_rows(x.data_ptr<float>(), M, K);
-    at::parallel_for(0, O, 16, [&](int64_t lo, int64_t hi) {
+  float* yc = y + col0;
+  const float* bc = bias ? bias + col0 : nullptr;
+  if (a != nullptr) {
+    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
       int64_t t = 0;
-      for (; t + 4 <= M; t += 4) dot_rows<F, 4>(wp, row_bytes, lo, hi, a, t, bias, yp, O);
+      for (; t + 4 <= M; t += 4) dot_rows<F, 4>(wp, row_bytes, lo, hi, *a, t, bc, yc, O);
       switch (M - t) {
-        case 3: dot_rows<F, 3>(wp, row_bytes, lo, hi, a, t, bias, yp, O); break;
-        case 2: dot_rows<F, 2>(wp, row_bytes, lo, hi, a, t, bias, yp, O); break;
-        case 1: dot_rows<F, 1>(wp, row_bytes, lo, hi, a, t, bias, yp, O); break;
+        case 3: dot_rows<F, 3>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 2: dot_rows<F, 2>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 1: dot_rows<F, 1>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
         default: break;
       }
     });
-    return y;
+    return;
   }
   using bf16::NR;
-  const int64_t K2 = (K + 1) / 2, P = (O + NR - 1) / NR;
-  const std::vector<uint32_t> xb = bf16::pairs(x.data_ptr<float>(), M, K);
+  const int64_t K2 = (K + 1) / 2, P = (rows + NR - 1) / NR;
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
     std::vector<uint16_t> panel(K2 * NR * 2, 0);
     std::vector<float> row(K);
     for (int64_t p = lo; p < hi; ++p) {
-      const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
+      const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
       for (int64_t c = 0; c < NR; ++c) {
         if (c < cols) {
           dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
@@ -201,13 +202,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const float
         }
         for (int64_t k = 0; k < K; ++k) panel[((k / 2) * NR + c) * 2 + k % 2] = bf16::to_bf16(row[k]);
       }
-      const float* pb = bias ? bias + c0 : nullptr;
+      const float* pb = bc ? bc + c0 : nullptr;
       for_row_tiles(0, M, [&](int64_t m, auto R) {
-        bf16::tile_out<decltype(R)::value>(xb.data() + m * K2, K2, panel.data(), pb, yp + m * O + c0, O, cols);
+        bf16::tile_out<decltype(R)::value>(xb->data() + m * K2, K2, panel.data(), pb, yc + m * O + c0, O, cols);
       });
     }
   });
-  return y;
 }
 
 template <class F>
@@ -251,13 +251,36 @@ void check_weight(const torch::Tensor& w) {
 
 const char* linear_ggml_isa() { return kIsa; }
 
-torch::Tensor linear_ggml(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
-                          int64_t O) {
+torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
+                          c10::optional<torch::Tensor> bias, int64_t O) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
-  check_weight(w);
+  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "linear_ggml: one type per weight part");
+  int64_t rows = 0;
+  for (const auto& w : ws) {
+    check_weight(w);
+    rows += w.size(0);
+  }
+  TORCH_CHECK(rows == O, "linear_ggml: the parts have ", rows, " rows, not ", O);
   x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  return dispatch(type, [&](auto f) { return linear<decltype(f)>(x, w, b, O); });
+  TORCH_CHECK(!bias.has_value() || bias->numel() == O, "linear_ggml: bias must have O values");
+  auto y = torch::empty({M, O}, x.options());
+  // activations prepared once for all parts: int8 per 32 for the dot, bf16 pairs for the panel path
+  QAct a{};
+  std::vector<uint32_t> xb;
+  const bool dot = M < kDotRowsMax;
+  if (K % 32 == 0 && dot) a = quantize_rows(x.data_ptr<float>(), M, K);
+  if (!dot) xb = bf16::pairs(x.data_ptr<float>(), M, K);
+  int64_t col0 = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    dispatch(types[i], [&](auto f) {
+      linear_part<decltype(f)>(dot ? &a : nullptr, &xb, M, K, ws[i], b, y.data_ptr<float>(), O, col0);
+      return 0;
+    });
+    col0 += ws[i].size(0);
+  }
+  return y;
 }
 
 torch::Tensor dequantize_ggml(torch::Tensor w, int64_t type, int64_t K) {

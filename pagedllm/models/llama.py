@@ -16,8 +16,9 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..errors import ModelLoadError
-from ..kernels import Ops, pack_weight, pad_bias, unpack_weight
+from ..kernels import Ops
 from ..kv_cache import KVCache
+from ..weight_formats import DensePanels, GGMLWeight, PackedWeight
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -124,25 +125,33 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """nn.Linear plus `packed`: the PackedWeight its matmul runs on once the C++ kernels are in use (or
+    as the GGUF file stores it), None for torch's F.linear on `weight`."""
+    lin = nn.Linear(in_features, out_features, bias=bias)
+    lin.packed = None
+    return lin
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=mlp_bias)
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, o_bias)
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, mlp_bias)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
         self.ops: Ops | None = None
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        if self.ops is None:
+        if layer.packed is None:
             return layer(x)
-        return self.ops.linear(x, layer)  # [T, out] fp32 whatever the weights' format
+        return layer.packed.matmul(x)  # [T, out] fp32 whatever the weights' format
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.embed_packed: GGMLWeight | None = None  # a quantized table, looked up row by row
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_len = 0
@@ -192,42 +202,62 @@ class LlamaForCausalLM(nn.Module):
         return [lin for group in per_layer for lin in group] + [self.lm_head]
 
     @property
-    def weight_dtype(self) -> torch.dtype:
-        """The linears' storage format (the packed copy's when the C++ ops hold one)."""
-        lin = self.layers[0].qkv_proj
-        packed = getattr(lin, "packed_weight", None)
-        return (packed if packed is not None else lin.weight).dtype
+    def weight_format(self) -> str:
+        """The linears' storage formats, e.g. "bf16", "q4_1", "q4_k+q6_k"."""
+        names = [lin.packed.format_name if lin.packed is not None else str(lin.weight.dtype).removeprefix("torch.")
+                 for lin in self._linears()]
+        return "+".join(dict.fromkeys("+".join(names).split("+")))
+
+    def linear_weight_bytes(self) -> int:
+        """Bytes the linears' weights take as stored (a tied lm_head counted once, as the table)."""
+        seen: set[int] = set()
+        total = 0
+        for lin in self._linears():
+            stored = lin.packed if lin.packed is not None else lin.weight
+            if id(stored) in seen:
+                continue
+            seen.add(id(stored))
+            total += stored.nbytes
+        return total
 
     def matmul_params(self) -> int:
         """Weights every token multiplies through (all linears, lm_head included), however stored."""
         return sum(lin.in_features * lin.out_features for lin in self._linears())
 
-    def step_weight_numel(self) -> int:
-        """Weights one decode step reads: the linears, their biases and the norms (not the embedding
-        table, of which a step gathers a few rows, unless it is the tied lm_head, counted above)."""
-        others = sum(p.numel() for name, p in self.named_parameters() if "norm" in name or name.endswith("bias"))
-        return self.matmul_params() + others
+    def step_weight_bytes(self) -> int:
+        """Bytes one decode step reads: the linears as stored, their biases and the norms (not the
+        embedding table, of which a step gathers a few rows, unless it is the tied lm_head)."""
+        others = sum(p.numel() * p.element_size() for name, p in self.named_parameters()
+                     if "norm" in name or name.endswith("bias"))
+        return self.linear_weight_bytes() + others
 
     def set_ops(self, ops: Ops | None, weight_dtype: torch.dtype = torch.float32) -> None:
-        """Use the C++ kernels. Their linears read weights packed in column panels, fp32 or bf16
-        (weight_dtype); the plain [out, in] copies are dropped (and rebuilt from the panels if the ops
-        are turned off), except a tied lm_head's, which is the embedding table. Activations, norms and
-        the residual stream stay fp32 either way."""
+        """Use the C++ kernels. Dense linears are packed into column panels, fp32 or bf16 (weight_dtype),
+        and their plain [out, in] copies dropped (rebuilt from the panels if the ops are turned off),
+        except a tied lm_head's, which is the embedding table; linears already packed (GGUF blocks) stay
+        as they are. Activations, norms and the residual stream stay fp32 either way."""
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops
         for lin in self._linears():
-            packed = getattr(lin, "packed_weight", None)
-            if ops is not None and packed is None:
+            if ops is not None and lin.packed is None:
                 w = lin.weight.data
-                lin.packed_weight = ops.pack_bf16(w) if weight_dtype == torch.bfloat16 else pack_weight(w.float())
-                lin.packed_bias = pad_bias(lin.bias.data.float()) if lin.bias is not None else None
+                lin.packed = DensePanels(ops, w, lin.bias.data if lin.bias is not None else None, weight_dtype)
                 if lin.weight is not self.embed_tokens.weight:
                     lin.weight.data = w.new_empty(0)
-            elif ops is None and packed is not None:
-                if lin.weight is not self.embed_tokens.weight:
-                    lin.weight.data = unpack_weight(packed, lin.out_features).to(lin.weight.dtype)
-                lin.packed_weight = lin.packed_bias = None
+            elif ops is None and lin.packed is not None:
+                if lin.weight is not self.embed_tokens.weight or self.embed_packed is not None:
+                    lin.weight.data = lin.packed.dequantize().to(lin.weight.dtype)
+                lin.packed = None
+        if ops is None and self.embed_packed is not None:
+            self.embed_tokens.weight.data = self.embed_packed.dequantize()
+            self.embed_packed = None
+
+    def set_packed(self, lin: nn.Linear, packed: PackedWeight) -> None:
+        """Give a linear its weights already packed (GGUF blocks, quantized at load); the dense copy goes."""
+        lin.packed = packed
+        if lin.weight is not self.embed_tokens.weight:
+            lin.weight = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -247,15 +277,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_packed is not None:
+            x = self.embed_packed.rows(input_ids)  # [T, hidden] fp32
+        else:
+            x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, cos, sin, cache, meta)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
-        if self.ops is not None:
-            return self.ops.linear(x, self.lm_head)
+        if self.lm_head.packed is not None:
+            return self.lm_head.packed.matmul(x)
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

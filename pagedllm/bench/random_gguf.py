@@ -1,0 +1,144 @@
+"""Random-weight GGUF files of real model shapes, for sizes no package ships (`pagedllm bench
+random-gguf`) and for the tests: real shapes, real kernels, noise outputs.
+
+Weights are N(0, std) (default 0.02) quantized with gguf-py where it has a quantizer (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1); K-quants and other types get random blocks with fp16 scales of the same
+spread, centred (every bit pattern of the quants is a valid block). With
+`fast=True` every quantized type gets random blocks (a 7-8B file in seconds instead of minutes).
+The tokenizer and chat template can be copied from another GGUF (the default model's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context: int = 4096
+    rope_theta: float = 10000.0
+
+
+SHAPES = {
+    "llama3-8b": Shape(4096, 14336, 32, 32, 8, 49152, 8192, 500000.0),  # SmolLM2's vocabulary
+    "tiny": Shape(256, 512, 2, 4, 2, 320, 1024),
+}
+_QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: str, fast: bool = False,
+                  std: float = 0.02) -> np.ndarray:
+    """[rows, cols] weights in qtype: a float array for F32/F16, else [rows, row_bytes] uint8 blocks."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quantize
+
+    t = GGMLQuantizationType[qtype]
+    if qtype == "F32":
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std)
+    if qtype == "F16":
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(np.float16)
+    if qtype in _QUANTIZABLE and not fast:
+        return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * std, t)
+    qk, nbytes = GGML_QUANT_SIZES[t]
+    if qtype not in _BLOCK_SCALES:
+        raise ValueError(f"no random-block recipe for {qtype}")
+    nb = rows * (cols // qk)
+    raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    spread, d_at, m_at, offset = _BLOCK_SCALES[qtype]
+
+    def fp16(v: np.ndarray) -> np.ndarray:
+        return v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qtype in ("Q4_K", "Q5_K"):  # every sub-block scale and min = v, so w = d v (q - offset): centred
+        v = rng.integers(16, 64, size=nb, dtype=np.uint8)
+        raw[:, 4:12] = ((v & 63) | ((v >> 4) << 6))[:, None]
+        raw[:, 12:16] = ((v & 15) | ((v & 15) << 4))[:, None]
+        d = std / (v * spread)
+        raw[:, 0:2], raw[:, 2:4] = fp16(d), fp16(d * offset)
+    elif qtype == "Q6_K":  # sixteen int8 scales of 16: w = d * 16 * (q - 32)
+        raw[:, 192:208] = 16
+        raw[:, 208:210] = fp16(np.full(nb, std / (16 * spread)))
+    else:  # a leading fp16 scale, for Q4_1 / Q5_1 a min making the block centred
+        d = np.full(nb, std / spread)
+        raw[:, d_at:d_at + 2] = fp16(d)
+        if m_at is not None:
+            raw[:, m_at:m_at + 2] = fp16(-d * offset)
+    return raw.reshape(rows, -1)
+
+
+# type -> (std of the quant values, byte of d, byte of the min or None, the quants' centre)
+_BLOCK_SCALES = {
+    "Q4_0": (4.6, 0, None, 0), "Q4_1": (4.6, 0, 2, 7.5), "Q5_0": (9.2, 0, None, 0), "Q5_1": (9.2, 0, 2, 15.5),
+    "Q8_0": (74.0, 0, None, 0), "Q4_K": (4.6, 0, None, 7.5), "Q5_K": (9.2, 0, None, 15.5), "Q6_K": (18.5, 0, None, 0),
+    "IQ4_NL": (70.0, 0, None, 0),
+}
+
+
+def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types: dict[str, str] | None = None,
+                      tokenizer_from: Path | None = None, fast: bool = False, tie: bool = True,
+                      std: float = 0.02) -> Path:
+    """A llama-architecture GGUF at path: every linear in qtype unless `types` maps a tensor-name
+    suffix (e.g. "attn_v.weight") to another; norms F32; token_embd in qtype (tied lm_head unless
+    tie=False, then output.weight in qtype)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    rng = np.random.default_rng(seed)
+    types = types or {}
+    w = GGUFWriter(str(path), "llama")
+    head_dim = shape.hidden // shape.heads
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.intermediate)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(shape.vocab)
+    w.add_file_type(0)
+    if tokenizer_from is not None:
+        src = GGUFReader(str(tokenizer_from))
+        for name, field in src.fields.items():
+            if name.startswith("tokenizer."):
+                sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+                w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+
+    def add(name: str, rows: int, cols: int) -> None:
+        q = next((t for suffix, t in types.items() if name.endswith(suffix)), qtype)
+        data = random_tensor(rng, rows, cols, q, fast, std)
+        w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[q])
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape.hidden)).astype(np.float32))
+
+    add("token_embd.weight", shape.vocab, shape.hidden)
+    if not tie:
+        add("output.weight", shape.vocab, shape.hidden)
+    norm("output_norm.weight")
+    kv = shape.kv_heads * head_dim
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        add(p + "attn_q.weight", shape.hidden, shape.hidden)
+        add(p + "attn_k.weight", kv, shape.hidden)
+        add(p + "attn_v.weight", kv, shape.hidden)
+        add(p + "attn_output.weight", shape.hidden, shape.hidden)
+        add(p + "ffn_gate.weight", shape.intermediate, shape.hidden)
+        add(p + "ffn_up.weight", shape.intermediate, shape.hidden)
+        add(p + "ffn_down.weight", shape.hidden, shape.intermediate)
+        norm(p + "attn_norm.weight")
+        norm(p + "ffn_norm.weight")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+    return path

@@ -1,0 +1,140 @@
+"""Weight formats: how a linear layer's weights are stored and multiplied (shared/DESIGN.md).
+
+A `WeightFormat` is one storage type (ggml's type traits: block size and bytes per block). A
+`PackedWeight` is one linear's weights in their kernel's layout, made once at load, with
+`matmul(x)` (x [M, K] fp32 -> [M, O] fp32, bias included) and `dequantize()` (the fp32 reference
+that tests, eval and fallbacks use). The model holds PackedWeights and never knows the format:
+- `DensePanels`: f32 or bf16, packed from a dense tensor into 48-column panels;
+- `GGMLWeight`: ggml block formats exactly as the GGUF file stores them (memory-mapped, not copied),
+  one or several parts stacked along the output rows (a fused q/k/v may mix Q4_K and Q6_K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .kernels import Ops, pack_weight, pad_bias, unpack_weight
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    ggml_type: int  # ggml's type id (ggml.h), also for the dense ones
+    block_weights: int
+    block_bytes: int
+    executed: bool = True  # a kernel runs it in place; else it is dequantized at load
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.block_bytes / self.block_weights
+
+    def row_bytes(self, in_features: int) -> int:
+        return in_features // self.block_weights * self.block_bytes
+
+
+FORMATS = {f.name: f for f in [
+    WeightFormat("f32", 0, 1, 4), WeightFormat("f16", 1, 1, 2), WeightFormat("bf16", 30, 1, 2),
+    WeightFormat("q4_0", 2, 32, 18), WeightFormat("q4_1", 3, 32, 20), WeightFormat("q5_0", 6, 32, 22),
+    WeightFormat("q5_1", 7, 32, 24), WeightFormat("q8_0", 8, 32, 34), WeightFormat("q4_k", 12, 256, 144),
+    WeightFormat("q5_k", 13, 256, 176), WeightFormat("q6_k", 14, 256, 210),
+]}
+GGML_KERNEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # gguf-py has quantizers for these
+_BY_GGML = {f.ggml_type: f for f in FORMATS.values()}
+
+
+def format_of_ggml(type_id: int) -> WeightFormat | None:
+    return _BY_GGML.get(int(type_id))
+
+
+class PackedWeight:
+    out_features: int
+    in_features: int
+
+    def matmul(self, x: Tensor) -> Tensor:  # x [M, K] fp32 -> [M, O] fp32
+        raise NotImplementedError
+
+    def dequantize(self) -> Tensor:  # [O, K] fp32
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def format_name(self) -> str:
+        raise NotImplementedError
+
+
+class DensePanels(PackedWeight):
+    """fp32 or bf16 weights in 48-column panels (csrc ops.cpp / linear_bf16.cpp)."""
+
+    def __init__(self, ops: Ops, w: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        self.ops, self.out_features, self.in_features = ops, w.shape[0], w.shape[1]
+        self.data = ops.pack_bf16(w) if dtype == torch.bfloat16 else pack_weight(w.float())
+        self.bias = pad_bias(bias.float()) if bias is not None else None
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if self.data.dtype == torch.bfloat16:
+            return self.ops.linear_bf16(x, self.data, self.bias, self.out_features)
+        return self.ops.packed_linear(x, self.data, self.bias, self.out_features)
+
+    def dequantize(self) -> Tensor:
+        return unpack_weight(self.data, self.out_features)[:, :self.in_features].float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def format_name(self) -> str:
+        return "bf16" if self.data.dtype == torch.bfloat16 else "f32"
+
+
+class GGMLWeight(PackedWeight):
+    """Rows of ggml blocks, in parts stacked along the outputs: parts[i] is [O_i, row_bytes] uint8."""
+
+    def __init__(self, ops: Ops, parts: list[tuple[Tensor, WeightFormat]], in_features: int,
+                 bias: Tensor | None = None) -> None:
+        for data, fmt in parts:
+            if fmt.name not in GGML_KERNEL_FORMATS or in_features % fmt.block_weights:
+                raise ValueError(f"{fmt.name} cannot run a linear of {in_features} inputs in place")
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != fmt.row_bytes(in_features):
+                raise ValueError(f"{fmt.name} part {tuple(data.shape)} is not rows of {in_features} weights")
+        self.ops, self.parts, self.in_features = ops, parts, in_features
+        self.out_features = sum(d.shape[0] for d, _ in parts)
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self._weights = [d for d, _ in parts]
+        self._types = [f.ggml_type for _, f in parts]
+
+    def matmul(self, x: Tensor) -> Tensor:
+        return self.ops.linear_ggml(x, self._weights, self._types, self.bias, self.out_features)
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([self.ops.dequantize_ggml(d, f.ggml_type, self.in_features) for d, f in self.parts])
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Embedding lookup: rows `ids` dequantized, [len(ids), K] fp32 (single-part weights)."""
+        (data, fmt), = self.parts
+        return self.ops.dequantize_ggml(data[ids], fmt.ggml_type, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for d in self._weights)
+
+    @property
+    def format_name(self) -> str:
+        return "+".join(dict.fromkeys(f.name for _, f in self.parts))
+
+
+def quantize(ops: Ops, w: Tensor, bias: Tensor | None, name: str) -> GGMLWeight:
+    """A dense [O, K] weight quantized at load into a ggml format (gguf-py's quantizers)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    fmt = FORMATS[name]
+    raw = gguf_quantize(w.float().numpy(), GGMLQuantizationType(fmt.ggml_type))
+    return GGMLWeight(ops, [(torch.from_numpy(raw), fmt)], w.shape[1], bias)
