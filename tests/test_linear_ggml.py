@@ -63,10 +63,14 @@ def test_dequantize_is_bit_exact(ops, t: T) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
-def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("k", [512, 96])
+def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: int, k: int) -> None:  # noqa: ANN001
     """Decode-sized batches: exactly ggml's arithmetic (int8 activations per 32) up to fp32 summation
-    order; so the only error against fp32 is the activations' rounding, measured below."""
-    o, k = 61, 512
+    order; so the only error against fp32 is the activations' rounding, measured below. k = 96: an
+    odd number of 32-chunks per row (the AVX-512 path takes chunk pairs, such rows take 256-bit)."""
+    if k % GGML_QUANT_SIZES[t][0]:
+        pytest.skip("K-quant rows are whole 256-blocks")
+    o = 61
     raw = random_blocks(t, o, k, seed=m)
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k)).double()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -79,8 +83,11 @@ def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: i
 
 
 @pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
-def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T) -> None:  # noqa: ANN001
-    o, k, m = 100, 512, 40  # 100 rows: two full 48-row panels and a partial one
+@pytest.mark.parametrize("m", [40, 300])
+def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, m: int) -> None:  # noqa: ANN001
+    """m = 40: one pass over x per panel; m = 300: panels made in groups, x swept in 128-row blocks.
+    100 rows: two full 48-row panels and a partial one."""
+    o, k = 100, 512
     raw = random_blocks(t, o, k)
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))

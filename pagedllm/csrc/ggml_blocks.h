@@ -6,7 +6,8 @@
 // with the sign trick). Block sizes: 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or 256 (K-quants).
 //   scales(blk, c, d, m): the chunk's two scales and offsets (fp32, exactly as ggml computes them);
 //   quants(blk, c, q):    its 32 quants as bytes (scalar, every CPU);
-//   quants256(blk, c):    the same in one AVX2 register (where the CPU has AVX2).
+//   quants256(blk, c):    the same in one AVX2 register (where the CPU has AVX2);
+//   quants512(b0, c0, b1, c1): chunks g and g + 1 (c0 of block b0, c1 of b1) in one AVX-512 register.
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -55,6 +56,22 @@ inline __m256i bits_to_0x10(uint32_t x) {  // byte i = 0x10 where bit i of x is 
 }
 #endif
 
+#if defined(__AVX512BW__)
+// chunks g, g + 1 of a row as one 512-bit vector, from two 256-bit unpacks (the formats' default)
+template <class F>
+inline __m512i pair_from_256(const uint8_t* b0, int c0, const uint8_t* b1, int c1) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(F::quants256(b0, c0)), F::quants256(b1, c1), 1);
+}
+// two 16-byte nibble arrays (one per chunk) -> [lo0 hi0 lo1 hi1]: each chunk's 32 quants in order
+inline __m512i nibble_pair(const uint8_t* p0, const uint8_t* p1) {
+  const __m256i v = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p1), reinterpret_cast<const __m128i*>(p0));
+  const __m256i f = _mm256_set1_epi8(0x0f);
+  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, f)),
+                                       _mm256_and_si256(_mm256_srli_epi16(v, 4), f), 1);  // [lo0 lo1 hi0 hi1]
+  return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+#endif
+
 inline void nibbles_scalar(const uint8_t* p, uint8_t* q) {
   for (int i = 0; i < 16; ++i) {
     q[i] = p[i] & 0x0f;
@@ -85,6 +102,9 @@ struct Q4_0 {
 #if defined(__AVX2__)
   static __m256i quants256(const uint8_t* b, int) { return nibbles_lo_hi(b + 2); }
 #endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int, const uint8_t* b1, int) { return nibble_pair(b0 + 2, b1 + 2); }
+#endif
 };
 
 // fp16 d, fp16 m; 16 B of nibbles: w = d * q + m
@@ -98,6 +118,9 @@ struct Q4_1 {
   static void quants(const uint8_t* b, int, uint8_t* q) { nibbles_scalar(b + 4, q); }
 #if defined(__AVX2__)
   static __m256i quants256(const uint8_t* b, int) { return nibbles_lo_hi(b + 4); }
+#endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int, const uint8_t* b1, int) { return nibble_pair(b0 + 4, b1 + 4); }
 #endif
 };
 
@@ -125,6 +148,9 @@ struct Q5_0 {
     return _mm256_or_si256(nibbles_lo_hi(b + 6), bits_to_0x10(load_u32(b + 2)));
   }
 #endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q5_0>(b0, c0, b1, c1); }
+#endif
 };
 
 // fp16 d, fp16 m; 32 high bits; 16 B of low nibbles: w = d * q + m
@@ -145,6 +171,9 @@ struct Q5_1 {
     return _mm256_or_si256(nibbles_lo_hi(b + 8), bits_to_0x10(load_u32(b + 4)));
   }
 #endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q5_1>(b0, c0, b1, c1); }
+#endif
 };
 
 // fp16 d; 32 int8: w = d * q
@@ -160,6 +189,9 @@ struct Q8_0 {
   static __m256i quants256(const uint8_t* b, int) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
   }
+#endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q8_0>(b0, c0, b1, c1); }
 #endif
 };
 
@@ -184,6 +216,14 @@ struct Q4_K {
     return _mm256_and_si256(srl16(v, 4 * (c & 1)), _mm256_set1_epi8(0x0f));
   }
 #endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int c0, const uint8_t*, int) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + 16 + 32 * (c0 / 2)));
+    const __m256i f = _mm256_set1_epi8(0x0f);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, f)),
+                              _mm256_and_si256(_mm256_srli_epi16(v, 4), f), 1);
+  }
+#endif
 };
 
 // 256 weights: fp16 d, fp16 dmin, 12 B scales/mins, 32 B of high bits (bit c of byte i is weight i of
@@ -206,6 +246,9 @@ struct Q5_K {
     const __m256i hi = _mm256_and_si256(srl16(h, c), _mm256_set1_epi8(1));
     return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
   }
+#endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q5_K>(b0, c0, b1, c1); }
 #endif
 };
 
@@ -239,6 +282,9 @@ struct Q6_K {
     const __m256i hi = _mm256_and_si256(srl16(hb, 2 * g), _mm256_set1_epi8(3));
     return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
   }
+#endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q6_K>(b0, c0, b1, c1); }
 #endif
 };
 

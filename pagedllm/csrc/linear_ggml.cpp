@@ -8,10 +8,13 @@
 // quants are unpacked once into a register and multiplied with up to 4 activation rows:
 //   sum_i w_i x_i ~= sum_chunks [ d * da * sum_i q_i qa_i ] + m * (da * sum_i qa_i)
 // Weights are streamed once per call; the work is split over output rows.
-// Prefill-sized batches: a panel of 48 output rows is dequantized to bf16 (ggml's fp32 values,
-// rounded once) into a thread-local buffer and multiplied on the bf16 micro-kernel (bf16_tile.h),
-// so the quantized weights cost their dequantization once per panel, not once per row of x.
+// Prefill-sized batches: weights dequantized to bf16 (ggml's fp32 values, rounded once) a group of
+// rows at a time into a thread-local buffer, then multiplied with all of x rounded to bf16, so the
+// quantized weights cost their dequantization once per call, not once per row of x: 48-row panels
+// for the panel micro-kernel of bf16_tile.h, made with AVX512-BF16 by dequantizing 16 rows and
+// transposing them in registers (else a scalar loop), multiplied by its vdpbf16ps / widening paths.
 // ISA paths of the integer dot (compile-time; -march=native, build keyed by the CPU's flags):
+//   AVX512-VNNI + BW: vpdpbusd on 512-bit vectors, two chunks at a time (rows of an even chunk count);
 //   AVX512-VNNI (+VL) or AVX-VNNI: vpdpbusd on 256-bit vectors (u8 x s8 -> int32, no saturation);
 //   AVX2: vpmaddubsw + vpmaddwd (u8 quants are <= 63, or the Q8_0 sign trick, so int16 never saturates);
 //   otherwise: scalar integer loops.
@@ -51,10 +54,12 @@ struct QAct {
   int64_t K, nch;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<float> dl;  // d repeated over the 8 int32 lanes of its chunk: [M, K / 32, 8] (AVX-512 path)
 };
 
 QAct quantize_rows(const float* x, int64_t M, int64_t K) {
-  QAct a{K, K / 32, std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 16))};
+  QAct a{K, K / 32, std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 16)),
+         std::vector<float>(M * (K / 32) * 8)};
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
@@ -69,6 +74,7 @@ QAct quantize_rows(const float* x, int64_t M, int64_t K) {
           (i < 16 ? s0 : s1) += q[i];
         }
         a.d[m * a.nch + g] = d;
+        std::fill_n(a.dl.data() + (m * a.nch + g) * 8, 8, d);
         a.s[(m * a.nch + g) * 2] = d * static_cast<float>(s0);
         a.s[(m * a.nch + g) * 2 + 1] = d * static_cast<float>(s1);
       }
@@ -147,6 +153,66 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, c
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The same on 512-bit vectors, two chunks (64 weights) per step: quants made unsigned (Q8_0: q + 128
+// with offset -128 d), lanes 0-7 chunk g and 8-15 chunk g + 1; the scale of each lane is the weight
+// half-chunk's d times the activation chunk's da (a.dl), the offsets m * da * sum(qa) four at a time.
+template <class F, int T>
+void dot_rows512(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, const QAct& a, int64_t t0,
+                 const float* bias, float* y, int64_t O) {
+  constexpr int CPB = F::QK / 32;
+  const int64_t K = a.K, nch = a.nch;
+  const __m512i lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int64_t n = n_lo; n < n_hi; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[T];
+    __m128 off[T];
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      off[t] = _mm_setzero_ps();
+    }
+    for (int64_t g = 0; g < nch; g += 2) {
+      const uint8_t* b0 = row + (g / CPB) * F::BYTES;
+      const uint8_t* b1 = row + ((g + 1) / CPB) * F::BYTES;
+      const int c0 = static_cast<int>(g % CPB), c1 = static_cast<int>((g + 1) % CPB);
+      alignas(16) float d[4], m[4];  // half-chunks: g first, g second, g + 1 first, g + 1 second
+      F::scales(b0, c0, d, m);
+      F::scales(b1, c1, d + 2, m + 2);
+      __m512i q = F::quants512(b0, c0, b1, c1);
+      if constexpr (F::kSigned) {
+        q = _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+        for (int i = 0; i < 4; ++i) m[i] = -128.f * d[i];
+      }
+      const __m512 dv = _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(_mm_load_ps(d)));
+      const __m128 mv = _mm_load_ps(m);
+      for (int t = 0; t < T; ++t) {
+        const int64_t r = t0 + t;
+        const __m512i av = _mm512_loadu_si512(a.q.data() + r * K + 32 * g);
+        const __m512 prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, av));
+        const __m512 sc = _mm512_mul_ps(dv, _mm512_loadu_ps(a.dl.data() + (r * nch + g) * 8));
+        acc[t] = _mm512_fmadd_ps(prod, sc, acc[t]);
+        off[t] = _mm_fmadd_ps(mv, _mm_loadu_ps(a.s.data() + (r * nch + g) * 2), off[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      __m128 o = _mm_add_ps(off[t], _mm_movehl_ps(off[t], off[t]));
+      o = _mm_add_ss(o, _mm_movehdup_ps(o));
+      y[(t0 + t) * O + n] = _mm512_reduce_add_ps(acc[t]) + _mm_cvtss_f32(o) + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+#endif
+
+// the row kernel for this CPU and row width: 512-bit chunk pairs where there are, else 256-bit / scalar
+template <class F, int T>
+void dot_rows_best(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, const QAct& a, int64_t t0,
+                   const float* bias, float* y, int64_t O) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (a.nch % 2 == 0) return dot_rows512<F, T>(w, row_bytes, n_lo, n_hi, a, t0, bias, y, O);
+#endif
+  dot_rows<F, T>(w, row_bytes, n_lo, n_hi, a, t0, bias, y, O);
+}
+
 template <class F>
 void dequantize_row(const uint8_t* row, int64_t K, float* out) {
   constexpr int CPB = F::QK / 32;
@@ -164,6 +230,68 @@ void dequantize_row(const uint8_t* row, int64_t K, float* out) {
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16 x 16 transpose of 32-bit elements: in r[i] = row i, out r[j] = column j
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + c] 128-bit lane l: column 4l + c of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), w = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i w2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v, v2, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v, v2, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(w, w2, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(w, w2, 0xdd);
+  }
+}
+
+// One 48-row panel [K2, 48, 2] bf16 straight from the blocks: per chunk of 32 k, 16 rows are
+// dequantized (fp32 fma, then vcvtneps2bf16: 16 k pairs a row) and transposed in registers, so each
+// k pair's 16 columns are stored as one contiguous vector. Rows past `cols` are zero.
+template <class F>
+void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t c0, int64_t cols, uint16_t* panel) {
+  constexpr int CPB = F::QK / 32;
+  for (int grp = 0; grp < 3; ++grp) {
+    for (int64_t g = 0; g < K / 32; ++g) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t c = 16 * grp + i;
+        if (c >= cols) {
+          r[i] = _mm512_setzero_si512();
+          continue;
+        }
+        const uint8_t* blk = w + (c0 + c) * row_bytes + (g / CPB) * F::BYTES;
+        const int sub = static_cast<int>(g % CPB);
+        float d[2], m[2];
+        F::scales(blk, sub, d, m);
+        const __m256i q = F::quants256(blk, sub);
+        __m256i half[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m128i qh = h ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+          const __m512i qi = F::kSigned ? _mm512_cvtepi8_epi32(qh) : _mm512_cvtepu8_epi32(qh);
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(d[h]), _mm512_set1_ps(m[h]));
+          half[h] = (__m256i)_mm512_cvtneps_pbh(v);
+        }
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);  // 16 k pairs of row c
+      }
+      transpose16(r);
+      for (int j = 0; j < 16; ++j)
+        _mm512_storeu_si512(panel + ((16 * g + j) * bf16::NR + 16 * grp) * 2, r[j]);
+    }
+  }
+}
+#endif
+
 // y[:, col0 : col0 + rows of w] for one part; a is x quantized (decode-sized M) or xb its bf16 pairs
 template <class F>
 void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int64_t K, const torch::Tensor& w,
@@ -177,37 +305,68 @@ void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int6
   if (a != nullptr) {
     at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
       int64_t t = 0;
-      for (; t + 4 <= M; t += 4) dot_rows<F, 4>(wp, row_bytes, lo, hi, *a, t, bc, yc, O);
+      for (; t + 4 <= M; t += 4) dot_rows_best<F, 4>(wp, row_bytes, lo, hi, *a, t, bc, yc, O);
       switch (M - t) {
-        case 3: dot_rows<F, 3>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
-        case 2: dot_rows<F, 2>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
-        case 1: dot_rows<F, 1>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 3: dot_rows_best<F, 3>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 2: dot_rows_best<F, 2>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 1: dot_rows_best<F, 1>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
         default: break;
       }
     });
     return;
   }
   using bf16::NR;
-  const int64_t K2 = (K + 1) / 2, P = (rows + NR - 1) / NR;
-  at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<uint16_t> panel(K2 * NR * 2, 0);
-    std::vector<float> row(K);
-    for (int64_t p = lo; p < hi; ++p) {
-      const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
-      for (int64_t c = 0; c < NR; ++c) {
-        if (c < cols) {
-          dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
-        } else {
-          std::fill(row.begin(), row.end(), 0.f);
-        }
-        for (int64_t k = 0; k < K; ++k) panel[((k / 2) * NR + c) * 2 + k % 2] = bf16::to_bf16(row[k]);
+  const int64_t K2 = (K + 1) / 2, P = (rows + NR - 1) / NR, panel_elems = K2 * NR * 2;
+  auto make_panel = [&](int64_t p, uint16_t* panel, std::vector<float>& row) {
+    const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (K % 32 == 0) return dequant_panel_bf16<F>(wp, row_bytes, K, c0, cols, panel);
+#endif
+    for (int64_t c = 0; c < NR; ++c) {
+      if (c < cols) {
+        dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
+      } else {
+        std::fill(row.begin(), row.end(), 0.f);
       }
-      const float* pb = bc ? bc + c0 : nullptr;
-      for_row_tiles(0, M, [&](int64_t m, auto R) {
-        bf16::tile_out<decltype(R)::value>(xb->data() + m * K2, K2, panel.data(), pb, yc + m * O + c0, O, cols);
-      });
+      for (int64_t k = 0; k < K; ++k) panel[((k / 2) * NR + c) * 2 + k % 2] = bf16::to_bf16(row[k]);
     }
-  });
+  };
+  auto tiles = [&](int64_t p, const uint16_t* panel, int64_t m_lo, int64_t m_hi) {
+    const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
+    const float* pb = bc ? bc + c0 : nullptr;
+    for_row_tiles(m_lo, m_hi, [&](int64_t m, auto R) {
+      bf16::tile_out<decltype(R)::value>(xb->data() + m * K2, K2, panel, pb, yc + m * O + c0, O, cols);
+    });
+  };
+  constexpr int64_t MB = 128;  // rows of x per pass, as in linear_bf16
+  if (M <= MB) {  // one pass over x: each panel made in a thread-local buffer and used at once
+    at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<uint16_t> panel(panel_elems, 0);
+      std::vector<float> row(K);
+      for (int64_t p = lo; p < hi; ++p) {
+        make_panel(p, panel.data(), row);
+        tiles(p, panel.data(), 0, M);
+      }
+    });
+    return;
+  }
+  // long prefills: a group of panels (<= 8 MiB of bf16) dequantized once, then swept over x in blocks
+  // of MB rows, so x stays in L2 instead of streaming once per panel
+  const int64_t G = std::max<int64_t>(1, (8 << 20) / (panel_elems * 2)), nmb = (M + MB - 1) / MB;
+  std::vector<uint16_t> group(std::min(G, P) * panel_elems, 0);
+  for (int64_t p0 = 0; p0 < P; p0 += G) {
+    const int64_t np = std::min(G, P - p0);
+    at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(K);
+      for (int64_t i = lo; i < hi; ++i) make_panel(p0 + i, group.data() + i * panel_elems, row);
+    });
+    at::parallel_for(0, nmb * np, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t item = lo; item < hi; ++item) {
+        const int64_t i = item % np, m_lo = (item / np) * MB;
+        tiles(p0 + i, group.data() + i * panel_elems, m_lo, std::min(M, m_lo + MB));
+      }
+    });
+  }
 }
 
 template <class F>
