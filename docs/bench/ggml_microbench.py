@@ -1,6 +1,7 @@
 """The linears of one SmolLM2-135M step (30 layers x qkv, o, gate_up, down; 106 M weights) at M rows:
 our bf16 packed kernel vs the ggml block formats executed in place (csrc/linear_ggml.cpp), median of 7.
-K-quants: the 576-wide rows fall back to Q8_0 (as llama.cpp's quantizer does). The crossover between the integer dot and the dequantize-to-bf16 path is linear_ggml.cpp's kDotRowsMax.
+K-quants: the 576-wide rows fall back to Q8_0 (as llama.cpp's quantizer does). The crossover between
+the integer dot and the dequantize-to-bf16 path is linear_ggml.cpp's kDotRowsMax.
 Run: .venv/bin/python docs/bench/ggml_microbench.py [FORMAT ...] (correctness: tests/test_linear_ggml.py)."""
 
 import os
