@@ -129,3 +129,37 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):  # noqa: ANN001
     assert r.returncode == 0, r.stderr
     assert "stale build lock" in r.stderr
     assert not (where / "lock").exists()
+
+
+@pytest.mark.parametrize("window", [0, 300])
+def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int):  # noqa: ANN001
+    """One decode row (fewer rows than threads) over 1000 keys: the key ranges computed apart and
+    merged by their maxima equal one pass (and SDPA), with and without a sliding window."""
+    from pagedllm.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(70, 16, 2, 64, torch.float32, torch.float32)
+    n = 1000
+    table = torch.randperm(70, generator=g)[:63].view(1, 63)
+    slots = table[0, torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+    cache.write(slots, torch.randn(n, 2, 64, generator=g), torch.randn(n, 2, 64, generator=g))
+    q = torch.randn(1, 8, 64, generator=g) * 3  # peaked scores: the merge's rescaling matters
+    k_pool, v_pool, *_ = cache.op_args()
+    args = (k_pool, v_pool, table, torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([n]), 0.125,
+            window, None, None, None)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.empty_like(q)
+        ops.paged_attention(one, q, *args)
+        torch.set_num_threads(2)
+        split = torch.empty_like(q)
+        ops.paged_attention(split, q, *args)
+    finally:
+        torch.set_num_threads(before)
+    k, v = cache.gather(table)
+    lo = n - window if window else 0
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k[:, lo:n].transpose(1, 2),
+                                         v[:, lo:n].transpose(1, 2), scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(split, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split, one, rtol=1e-6, atol=1e-6)
