@@ -18,7 +18,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--baseline", default="none", choices=["none", "llama-cpp"],
-                   help="llama-cpp: the same prompts through llama.cpp on the same weights in F32")
+                   help="llama-cpp: the same prompts through llama.cpp on the same weights (the same GGUF file; "
+                        "its F32 copy with --quantization none)")
 
 
 def prompt_ids(vocab_size: int, input_len: int, seed: int) -> list[int]:
@@ -61,12 +62,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
 
         vocab = engine.model_config.vocab_size
         del engine  # one model in memory at a time
-        lc = LlamaCpp(kw.get("model"), args.input_len + args.output_len + 8)
+        f32 = kw.get("quantization") == "none"
+        lc = LlamaCpp(kw.get("model"), args.input_len + args.output_len + 8, f32=f32)
         for i in range(args.num_iters_warmup):
             lc.measure(prompt_ids(vocab, args.input_len, args.seed + 1000 + i), min(args.output_len, 8))
         baseline_runs = [lc.measure(prompt_ids(vocab, args.input_len, args.seed + i), args.output_len)
                          for i in range(args.num_iters)]
-        rows["llama.cpp (F32)"] = {k: statistics.median(r[k] for r in baseline_runs) for k in keys}
+        rows["llama.cpp (F32)" if f32 else "llama.cpp"] = {k: statistics.median(r[k] for r in baseline_runs) for k in keys}
     print(f"input {args.input_len} tokens, output {args.output_len} tokens, {args.num_iters} runs (median):")
     print(f"  {'':16s} {'TTFT ms':>9s} {'prompt tok/s':>13s} {'decode tok/s':>13s} {'e2e s':>7s}")
     for name, r in rows.items():

@@ -1,9 +1,10 @@
 """llama.cpp as a single-stream baseline (`bench latency --baseline llama-cpp`).
 
 llama.cpp runs through the optional `llama-cpp-python` package (it compiles llama.cpp for the
-machine at hand: `pip install llama-cpp-python`). For a like-for-like comparison it gets the same
-weights pagedllm computes with: the model's GGUF with every tensor dequantized to F32 (cached next
-to pagedllm's converted HF folders), and the same prompt token ids, greedy, one thread per core.
+machine at hand: `pip install llama-cpp-python`; or set LLAMA_CPP_LIB_PATH to a libllama you built).
+For a like-for-like comparison it gets the weights pagedllm computes with: the GGUF file itself when
+pagedllm runs it in its own formats, or the file with every tensor dequantized to F32 (cached) when
+pagedllm dequantizes (`--quantization none`); the same prompt token ids, greedy, one thread per core.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def f32_gguf(src: Path) -> Path:
 
 
 class LlamaCpp:
-    def __init__(self, model: str | None, n_ctx: int) -> None:
+    def __init__(self, model: str | None, n_ctx: int, f32: bool = False) -> None:
         try:
             from llama_cpp import Llama
         except ImportError as e:
@@ -68,7 +69,7 @@ class LlamaCpp:
         src = Path(model) if model else default_model_path()
         if src.suffix != ".gguf":
             raise ModelLoadError("the llama-cpp baseline needs a .gguf model (the default model is one)")
-        self.path = f32_gguf(src)
+        self.path = f32_gguf(src) if f32 else src
         threads = len(os.sched_getaffinity(0))
         self.llm = Llama(model_path=str(self.path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=n_ctx, verbose=False)

