@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from .config import DTYPES
 from .errors import PagedLLMError
 
 
@@ -120,6 +121,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_random_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench.random_gguf import SHAPES, write_random_gguf
+    from .loader import default_model_path
+
+    types = dict(kv.split("=", 1) for kv in args.types.split(",")) if args.types else None
+    out = write_random_gguf(Path(args.out), SHAPES[args.shape], args.type, args.seed, types,
+                            tokenizer_from=default_model_path(), fast=not args.exact, tie=False)
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
@@ -177,21 +191,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
     text = open(args.text, encoding="utf-8").read()
     common = dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=args.max_model_len)
-    ref = LLM(dtype=args.reference, **common)
+    ref = LLM(dtype=args.reference, quantization="none", **common)  # a GGUF dequantized: the same weights
     ids = ref.get_tokenizer().encode(text)
     rows = []
-    for dt in args.dtypes.split(","):
-        llm = LLM(dtype=dt, **common)
+    for fmt in args.formats.split(","):
+        kw = {"dtype": fmt} if fmt in DTYPES else {"dtype": "float32", "quantization": None if fmt == "native" else fmt}
+        llm = LLM(**kw, **common)
         r = compare_to_reference(ref.engine, llm.engine, ids, args.chunk)
-        weight_bytes = llm.engine.runner.model.linear_weight_bytes()
-        rows.append({"dtype": dt, **r, "linear_weight_bytes": weight_bytes})
+        model = llm.engine.runner.model
+        rows.append({"format": fmt, "weight_format": model.weight_format, **r,
+                     "linear_weight_bytes": model.linear_weight_bytes()})
         del llm
     print(f"reference: {args.reference} weights, {rows[0]['tokens'] if rows else 0} tokens of {args.text}, "
           f"KV {args.kv_cache_dtype}; perplexity {rows[0]['perplexity_ref'] if rows else float('nan'):.4f}")
-    print(f"{'dtype':10} {'perplexity':>11} {'vs ref':>8} {'mean KL':>10} {'top-1 same':>11} {'linear MiB':>11}")
+    print(f"{'format':10} {'stored as':>12} {'perplexity':>11} {'vs ref':>8} {'mean KL':>10} {'top-1 same':>11} "
+          f"{'linear MiB':>11}")
     for r in rows:
-        print(f"{r['dtype']:10} {r['perplexity']:>11.4f} {r['perplexity'] / r['perplexity_ref'] - 1:>+8.2%} "
-              f"{r['mean_kl']:>10.2e} {r['top1_agreement']:>11.2%} {r['linear_weight_bytes'] / 2**20:>11.1f}")
+        print(f"{r['format']:10} {r['weight_format']:>12} {r['perplexity']:>11.4f} "
+              f"{r['perplexity'] / r['perplexity_ref'] - 1:>+8.2%} {r['mean_kl']:>10.2e} {r['top1_agreement']:>11.2%} "
+              f"{r['linear_weight_bytes'] / 2**20:>11.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args) | {"func": None}, "rows": rows}, f, indent=1)
@@ -307,6 +325,16 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--no-progress", action="store_true")
         b.set_defaults(func=lambda a, m=mod: (m.main(a, engine_kwargs(a)), 0)[1])
 
+    rg = bsub.add_parser("random-gguf", help="write a random-weight GGUF of a real model shape (real kernels, noise)")
+    rg.add_argument("out")
+    rg.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny")
+    rg.add_argument("--type", default="Q4_0", help="ggml type of the linears and embeddings (Q4_0, Q4_K, Q8_0, ...)")
+    rg.add_argument("--types", default=None, help="overrides by tensor-name suffix: attn_v.weight=Q6_K,ffn_down.weight=Q6_K")
+    rg.add_argument("--seed", type=int, default=0)
+    rg.add_argument("--exact", action="store_true", help="quantize N(0, 0.02) weights (minutes for 8B) instead of "
+                                                          "random blocks of that spread (seconds)")
+    rg.set_defaults(func=cmd_random_gguf)
+
     def model_args(x: argparse.ArgumentParser) -> None:
         m = x.add_mutually_exclusive_group()
         m.add_argument("--model", default=None, help="HF folder, .gguf file or config.json (default: SmolLM2-135M)")
@@ -337,10 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--plot", default=None, help="PNG file")
     si.set_defaults(func=cmd_simulate)
 
-    ew = sub.add_parser("eval", help="weight formats vs an fp32 reference: perplexity, mean KL, top-1 agreement")
+    ew = sub.add_parser("eval", help="weight formats vs an fp32 reference of the same weights: perplexity, mean KL, "
+                                     "top-1 agreement")
     ew.add_argument("--model", default=None)
-    ew.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated weight dtypes to compare")
-    ew.add_argument("--reference", default="float32")
+    ew.add_argument("--formats", default="bfloat16,native",
+                    help="comma-separated: a dtype (the weights dequantized to it), native (a GGUF's own formats), "
+                         "or a format to quantize to at load (q8_0, q4_0, q4_1, q5_0, q5_1)")
+    ew.add_argument("--reference", default="float32", help="dtype of the reference (a GGUF dequantized to it)")
     ew.add_argument("--text", default="tests/data/english.txt")
     ew.add_argument("--kv-cache-dtype", default="float32", help="the same for every row, fp32 to isolate the weights")
     ew.add_argument("--kv-cache-memory", default="1GiB")

@@ -76,6 +76,10 @@ def random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: str, fa
     return raw.reshape(rows, -1)
 
 
+# llama.cpp's LLAMA_FTYPE of a file whose linears are all of one type (what llama-bench prints)
+_FTYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 15, "Q5_K": 17,
+          "Q6_K": 18, "BF16": 32}
+
 # type -> (std of the quant values, byte of d, byte of the min or None, the quants' centre)
 _BLOCK_SCALES = {
     "Q4_0": (4.6, 0, None, 0), "Q4_1": (4.6, 0, 2, 7.5), "Q5_0": (9.2, 0, None, 0), "Q5_1": (9.2, 0, 2, 15.5),
@@ -105,7 +109,7 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape.vocab)
-    w.add_file_type(0)
+    w.add_file_type(_FTYPE.get(qtype, 0))
     if tokenizer_from is not None:
         src = GGUFReader(str(tokenizer_from))
         for name, field in src.fields.items():
