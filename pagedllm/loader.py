@@ -319,7 +319,11 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) 
         if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and lin.in_features % m.block_weights == 0
                           for m in fmts):
             blocks = [(f.blocks(name, rows_of(kind, name)), m) for (kind, name), m in zip(parts, fmts)]
-            model.set_packed(lin, GGMLWeight(ops, blocks, lin.in_features, bias))
+            weight = GGMLWeight(ops, blocks, lin.in_features, bias)
+            for (_, name), repacked in zip(parts, weight.repacked):
+                if repacked:
+                    f.release(name)
+            model.set_packed(lin, weight)
             return
         for (_, name), m in zip(parts, fmts):
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
@@ -339,6 +343,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) 
     if native and embed_fmt is not None and embed_fmt.name in GGML_KERNEL_FORMATS:
         model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         model.embed_packed = GGMLWeight(ops, [(f.blocks("token_embd.weight"), embed_fmt)], cfg.hidden_size)
+        if model.embed_packed.repacked[0]:
+            f.release("token_embd.weight")
     else:
         param(model.embed_tokens, "token_embd.weight")
     if cfg.tie_word_embeddings:

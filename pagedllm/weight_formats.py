@@ -44,6 +44,7 @@ FORMATS = {f.name: f for f in [
 GGML_KERNEL_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # gguf-py has quantizers for these
 _BY_GGML = {f.ggml_type: f for f in FORMATS.values()}
+REPACKED = 1000  # kernel type id of a repacked part: ggml type + REPACKED (csrc/linear_x16.h)
 
 
 def format_of_ggml(type_id: int) -> WeightFormat | None:
@@ -95,7 +96,10 @@ class DensePanels(PackedWeight):
 
 
 class GGMLWeight(PackedWeight):
-    """Rows of ggml blocks, in parts stacked along the outputs: parts[i] is [O_i, row_bytes] uint8."""
+    """Rows of ggml blocks, in parts stacked along the outputs: parts[i] is [O_i, row_bytes] uint8 as the
+    file stores it. Where this CPU runs a format repacked (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI: 16-row
+    groups, the same bytes per weight, csrc/linear_x16.cpp) the part is repacked once here; `repacked`
+    says which, so the loader can drop the file's pages of those."""
 
     def __init__(self, ops: Ops, parts: list[tuple[Tensor, WeightFormat]], in_features: int,
                  bias: Tensor | None = None) -> None:
@@ -104,22 +108,26 @@ class GGMLWeight(PackedWeight):
                 raise ValueError(f"{fmt.name} cannot run a linear of {in_features} inputs in place")
             if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != fmt.row_bytes(in_features):
                 raise ValueError(f"{fmt.name} part {tuple(data.shape)} is not rows of {in_features} weights")
-        self.ops, self.parts, self.in_features = ops, parts, in_features
-        self.out_features = sum(d.shape[0] for d, _ in parts)
+        self.ops, self.in_features = ops, in_features
+        self.formats = [f for _, f in parts]
+        self.rows_per_part = [d.shape[0] for d, _ in parts]
+        self.out_features = sum(self.rows_per_part)
         self.bias = bias.float().contiguous() if bias is not None else None
-        self._weights = [d for d, _ in parts]
-        self._types = [f.ggml_type for _, f in parts]
+        self.repacked = [bool(ops.ggml_repacks(f.ggml_type)) for _, f in parts]
+        self._weights = [ops.repack_ggml(d, f.ggml_type) if r else d for (d, f), r in zip(parts, self.repacked)]
+        self._types = [f.ggml_type + REPACKED if r else f.ggml_type for (_, f), r in zip(parts, self.repacked)]
 
     def matmul(self, x: Tensor) -> Tensor:
-        return self.ops.linear_ggml(x, self._weights, self._types, self.bias, self.out_features)
+        return self.ops.linear_ggml(x, self._weights, self._types, self.rows_per_part, self.bias, self.out_features)
 
     def dequantize(self) -> Tensor:
-        return torch.cat([self.ops.dequantize_ggml(d, f.ggml_type, self.in_features) for d, f in self.parts])
+        return torch.cat([self.ops.dequantize_ggml(w, t, self.in_features, n, None)
+                          for w, t, n in zip(self._weights, self._types, self.rows_per_part)])
 
     def rows(self, ids: Tensor) -> Tensor:
         """Embedding lookup: rows `ids` dequantized, [len(ids), K] fp32 (single-part weights)."""
-        (data, fmt), = self.parts
-        return self.ops.dequantize_ggml(data[ids], fmt.ggml_type, self.in_features)
+        (w,), (t,), (n,) = self._weights, self._types, self.rows_per_part
+        return self.ops.dequantize_ggml(w, t, self.in_features, n, ids)
 
     @property
     def nbytes(self) -> int:
@@ -127,7 +135,7 @@ class GGMLWeight(PackedWeight):
 
     @property
     def format_name(self) -> str:
-        return "+".join(dict.fromkeys(f.name for _, f in self.parts))
+        return "+".join(dict.fromkeys(f.name for f in self.formats))
 
 
 def quantize(ops: Ops, w: Tensor, bias: Tensor | None, name: str) -> GGMLWeight:

@@ -57,7 +57,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 def test_dequantize_is_bit_exact(ops, t: T) -> None:  # noqa: ANN001
     raw = random_blocks(t, 37, 512)
     ref = dequantize(raw, t).reshape(37, 512)
-    out = ops.dequantize_ggml(torch.from_numpy(raw), int(t), 512)
+    out = ops.dequantize_ggml(torch.from_numpy(raw), int(t), 512, 37, None)
     assert torch.equal(out, torch.from_numpy(ref))
 
 
@@ -75,7 +75,7 @@ def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: i
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k)).double()
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(o)
-    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], bias, o)
+    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [o], bias, o)
     exact = quantized_activations(x) @ w.T + bias.double()
     torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     fp32 = x.double() @ w.T + bias.double()
@@ -91,7 +91,7 @@ def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, 
     raw = random_blocks(t, o, k)
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
-    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], None, o)
+    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [o], None, o)
     ref = x.bfloat16().double() @ w.bfloat16().double().T
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
@@ -99,9 +99,9 @@ def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, 
 def test_bad_inputs_are_clear_errors(ops) -> None:  # noqa: ANN001
     raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 64))
     with pytest.raises(RuntimeError, match="does not match"):
-        ops.linear_ggml(torch.randn(1, 96), [raw], [int(T.Q4_0)], None, 8)
+        ops.linear_ggml(torch.randn(1, 96), [raw], [int(T.Q4_0)], [8], None, 8)
     with pytest.raises(RuntimeError, match="no kernel"):
-        ops.linear_ggml(torch.randn(1, 64), [raw], [int(T.IQ4_NL)], None, 8)
+        ops.linear_ggml(torch.randn(1, 64), [raw], [int(T.IQ4_NL)], [8], None, 8)
 
 
 @pytest.mark.parametrize("m", [2, 40])
@@ -112,6 +112,36 @@ def test_parts_of_different_formats_stack_along_the_outputs(ops, m: int) -> None
              (random_blocks(T.Q8_0, 8, k, seed=3), T.Q8_0)]
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(72)
-    y = ops.linear_ggml(x, [torch.from_numpy(r) for r, _ in parts], [int(t) for _, t in parts], bias, 72)
-    singles = [ops.linear_ggml(x, [torch.from_numpy(r)], [int(t)], None, r.shape[0]) for r, t in parts]
+    y = ops.linear_ggml(x, [torch.from_numpy(r) for r, _ in parts], [int(t) for _, t in parts], [40, 24, 8], bias, 72)
+    singles = [ops.linear_ggml(x, [torch.from_numpy(r)], [int(t)], [r.shape[0]], None, r.shape[0]) for r, t in parts]
     assert torch.equal(y, torch.cat(singles, dim=1) + bias)
+
+
+REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0]
+
+
+@pytest.mark.parametrize("t", REPACKABLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 6, 40, 150, 300])
+def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None:  # noqa: ANN001
+    """Where the CPU runs Q4_0 / Q4_1 / Q8_0 repacked (AVX-512 VNNI): 37 rows = two groups of 16 and a
+    padded one. The integer dot is ggml's arithmetic up to summation order, the bf16 panels are the
+    same values as from the file's layout, dequantization and row lookups are bit-exact."""
+    if not ops.ggml_repacks(int(t)):
+        pytest.skip("this CPU runs the file's layout only")
+    o, k = 37, 512
+    raw = torch.from_numpy(random_blocks(t, o, k, seed=m))
+    packed = ops.repack_ggml(raw, int(t))
+    assert packed.shape == (3, k // 32, {T.Q4_0: 288, T.Q4_1: 320, T.Q8_0: 544}[t])
+    ref_w = ops.dequantize_ggml(raw, int(t), k, o, None)
+    assert torch.equal(ops.dequantize_ggml(packed, int(t) + 1000, k, o, None), ref_w)
+    ids = torch.tensor([36, 0, 17, 17])
+    assert torch.equal(ops.dequantize_ggml(packed, int(t) + 1000, k, o, ids), ref_w[ids])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(o)
+    plain = ops.linear_ggml(x, [raw], [int(t)], [o], bias, o)
+    y = ops.linear_ggml(x, [packed], [int(t) + 1000], [o], bias, o)
+    if m < 128:  # the repacked formats' integer dot runs up to 127 rows (linear_ggml.cpp kX16DotRowsMax)
+        exact = quantized_activations(x) @ ref_w.double().T + bias.double()
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    else:
+        assert torch.equal(y, plain)

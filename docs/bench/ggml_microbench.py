@@ -16,6 +16,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from pagedllm.bench.random_gguf import random_tensor
 from pagedllm.kernels import load_ops
+from pagedllm.weight_formats import FORMATS, GGMLWeight
 
 torch.set_num_threads(2)
 ops = load_ops()
@@ -32,8 +33,9 @@ def fallback(t: T, k: int) -> T:  # K-quants need rows of whole 256-blocks; llam
     return t if k % GGML_QUANT_SIZES[t][0] == 0 else T.Q8_0
 
 
-quant = {t: [(torch.from_numpy(random_tensor(rng, o, k, fallback(t, k).name, fast=True)), int(fallback(t, k)))
-             for o, k in shapes] for t in formats}
+quant = {t: [GGMLWeight(ops, [(torch.from_numpy(random_tensor(rng, o, k, fallback(t, k).name, fast=True)),
+                                FORMATS[fallback(t, k).name.lower()])], k) for o, k in shapes] for t in formats}
+print("repacked into 16-row groups here:", [t.name for t in formats if ops.ggml_repacks(int(t))])
 flops_per_row = sum(2 * o * k for o, k in shapes)
 
 
@@ -52,7 +54,6 @@ for m in [int(v) for v in os.environ.get("ROWS", "1,2,4,8,12,15,16,24,32,64,256,
     t16 = median_time(lambda xs=xs: [ops.linear_bf16(xs[k], w, None, o) for w, (o, k) in zip(p16, shapes)])
     row = f"M={m:4}: bf16 {t16 * 1e3:7.2f} ms ({flops_per_row * m / t16 / 1e9:4.0f} GFLOP/s)"
     for t, ws in quant.items():
-        tq = median_time(lambda xs=xs, ws=ws: [ops.linear_ggml(xs[k], [w], [ty], None, o)
-                                               for (w, ty), (o, k) in zip(ws, shapes)])
+        tq = median_time(lambda xs=xs, ws=ws: [w.matmul(xs[k]) for w, (o, k) in zip(ws, shapes)])
         row += f"  {t.name} {tq * 1e3:7.2f} ms ({flops_per_row * m / tq / 1e9:4.0f})"
     print(row, flush=True)

@@ -21,16 +21,20 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "bf16_tile.h"
 #include "ggml_blocks.h"
 #include "linear_ggml.h"
+#include "linear_x16.h"
 #include "row_tiles.h"
 
 namespace {
 
-constexpr int64_t kDotRowsMax = 16;  // measured (docs/bench/linear_microbench.py --ggml): bf16 tiles win above
+// rows of x below which the integer dot runs, else bf16 panels; measured with docs/bench/ggml_microbench.py
+constexpr int64_t kDotRowsMax = 16;      // the file's layout (chunk-pair loop)
+constexpr int64_t kX16DotRowsMax = 128;  // repacked 16-row groups (at 64 rows: 19 ms vs 25 for bf16; even at 127)
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -55,11 +59,13 @@ struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<float> dl;  // d repeated over the 8 int32 lanes of its chunk: [M, K / 32, 8] (AVX-512 path)
+  std::vector<int32_t> sum;  // sum(q) per 32: [M, K / 32] (the repacked formats' offsets)
+  QActView view() const { return {K, nch, q.data(), d.data(), s.data(), sum.data()}; }
 };
 
 QAct quantize_rows(const float* x, int64_t M, int64_t K) {
   QAct a{K, K / 32, std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 16)),
-         std::vector<float>(M * (K / 32) * 8)};
+         std::vector<float>(M * (K / 32) * 8), std::vector<int32_t>(M * (K / 32))};
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
@@ -74,6 +80,7 @@ QAct quantize_rows(const float* x, int64_t M, int64_t K) {
           (i < 16 ? s0 : s1) += q[i];
         }
         a.d[m * a.nch + g] = d;
+        a.sum[m * a.nch + g] = s0 + s1;
         std::fill_n(a.dl.data() + (m * a.nch + g) * 8, 8, d);
         a.s[(m * a.nch + g) * 2] = d * static_cast<float>(s0);
         a.s[(m * a.nch + g) * 2 + 1] = d * static_cast<float>(s1);
@@ -293,44 +300,13 @@ void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
 #endif
 
 // y[:, col0 : col0 + rows of w] for one part; a is x quantized (decode-sized M) or xb its bf16 pairs
-template <class F>
-void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int64_t K, const torch::Tensor& w,
-                 const float* bias, float* y, int64_t O, int64_t col0) {
-  const int64_t rows = w.size(0), row_bytes = w.size(1);
-  TORCH_CHECK(K % F::QK == 0 && row_bytes == K / F::QK * F::BYTES,
-              "linear_ggml: x [", M, ", ", K, "] does not match a weight of rows of ", row_bytes, " bytes");
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yc = y + col0;
-  const float* bc = bias ? bias + col0 : nullptr;
-  if (a != nullptr) {
-    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
-      int64_t t = 0;
-      for (; t + 4 <= M; t += 4) dot_rows_best<F, 4>(wp, row_bytes, lo, hi, *a, t, bc, yc, O);
-      switch (M - t) {
-        case 3: dot_rows_best<F, 3>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
-        case 2: dot_rows_best<F, 2>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
-        case 1: dot_rows_best<F, 1>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
-        default: break;
-      }
-    });
-    return;
-  }
+// y[:, 0 : rows] (yc, bc already offset to the part's columns) = x @ W^T for prefill-sized M, W made a
+// 48-row bf16 panel at a time by make_panel(p, panel, row_scratch)
+template <class MakePanel>
+void panel_sweep(const std::vector<uint32_t>* xb, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc,
+                 int64_t O, MakePanel&& make_panel) {
   using bf16::NR;
   const int64_t K2 = (K + 1) / 2, P = (rows + NR - 1) / NR, panel_elems = K2 * NR * 2;
-  auto make_panel = [&](int64_t p, uint16_t* panel, std::vector<float>& row) {
-    const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (K % 32 == 0) return dequant_panel_bf16<F>(wp, row_bytes, K, c0, cols, panel);
-#endif
-    for (int64_t c = 0; c < NR; ++c) {
-      if (c < cols) {
-        dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
-      } else {
-        std::fill(row.begin(), row.end(), 0.f);
-      }
-      for (int64_t k = 0; k < K; ++k) panel[((k / 2) * NR + c) * 2 + k % 2] = bf16::to_bf16(row[k]);
-    }
-  };
   auto tiles = [&](int64_t p, const uint16_t* panel, int64_t m_lo, int64_t m_hi) {
     const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
     const float* pb = bc ? bc + c0 : nullptr;
@@ -353,20 +329,64 @@ void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int6
   // long prefills: a group of panels (<= 8 MiB of bf16) dequantized once, then swept over x in blocks
   // of MB rows, so x stays in L2 instead of streaming once per panel
   const int64_t G = std::max<int64_t>(1, (8 << 20) / (panel_elems * 2)), nmb = (M + MB - 1) / MB;
-  std::vector<uint16_t> group(std::min(G, P) * panel_elems, 0);
+  // not zero-filled: make_panel writes every element (K is a multiple of 32), and zeroing 8 MiB a call
+  // cost as much as the dequantization
+  std::unique_ptr<uint16_t[]> group(new uint16_t[std::min(G, P) * panel_elems]);
   for (int64_t p0 = 0; p0 < P; p0 += G) {
     const int64_t np = std::min(G, P - p0);
     at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> row(K);
-      for (int64_t i = lo; i < hi; ++i) make_panel(p0 + i, group.data() + i * panel_elems, row);
+      for (int64_t i = lo; i < hi; ++i) make_panel(p0 + i, group.get() + i * panel_elems, row);
     });
     at::parallel_for(0, nmb * np, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t item = lo; item < hi; ++item) {
         const int64_t i = item % np, m_lo = (item / np) * MB;
-        tiles(p0 + i, group.data() + i * panel_elems, m_lo, std::min(M, m_lo + MB));
+        tiles(p0 + i, group.get() + i * panel_elems, m_lo, std::min(M, m_lo + MB));
       }
     });
   }
+}
+
+// y[:, col0 : col0 + rows] for one part in a plain (file) layout: F is its format; x16 parts are in
+// linear_x16.cpp, and both share the panel sweep below
+template <class F>
+void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int64_t K, const torch::Tensor& w,
+                 const float* bias, float* y, int64_t O, int64_t col0) {
+  const int64_t rows = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(K % F::QK == 0 && row_bytes == K / F::QK * F::BYTES,
+              "linear_ggml: x [", M, ", ", K, "] does not match a weight of rows of ", row_bytes, " bytes");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yc = y + col0;
+  const float* bc = bias ? bias + col0 : nullptr;
+  if (a != nullptr) {
+    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+      int64_t t = 0;
+      for (; t + 4 <= M; t += 4) dot_rows_best<F, 4>(wp, row_bytes, lo, hi, *a, t, bc, yc, O);
+      switch (M - t) {
+        case 3: dot_rows_best<F, 3>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 2: dot_rows_best<F, 2>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        case 1: dot_rows_best<F, 1>(wp, row_bytes, lo, hi, *a, t, bc, yc, O); break;
+        default: break;
+      }
+    });
+    return;
+  }
+  auto make_panel = [&](int64_t p, uint16_t* panel, std::vector<float>& row) {
+    constexpr int64_t NR = bf16::NR;
+    const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (K % 32 == 0) return dequant_panel_bf16<F>(wp, row_bytes, K, c0, cols, panel);
+#endif
+    for (int64_t c = 0; c < NR; ++c) {
+      if (c < cols) {
+        dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
+      } else {
+        std::fill(row.begin(), row.end(), 0.f);
+      }
+      for (int64_t k = 0; k < K; ++k) panel[((k / 2) * NR + c) * 2 + k % 2] = bf16::to_bf16(row[k]);
+    }
+  };
+  panel_sweep(xb, M, K, rows, bc, yc, O, make_panel);
 }
 
 template <class F>
@@ -411,38 +431,68 @@ void check_weight(const torch::Tensor& w) {
 const char* linear_ggml_isa() { return kIsa; }
 
 torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
-                          c10::optional<torch::Tensor> bias, int64_t O) {
+                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
-  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "linear_ggml: one type per weight part");
-  int64_t rows = 0;
-  for (const auto& w : ws) {
-    check_weight(w);
-    rows += w.size(0);
+  TORCH_CHECK(ws.size() == types.size() && ws.size() == rows.size() && !ws.empty(),
+              "linear_ggml: one type and row count per weight part");
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    TORCH_CHECK(ws[i].dtype() == torch::kUInt8 && ws[i].is_contiguous() && ws[i].dim() == (types[i] >= kX16 ? 3 : 2),
+                "ggml weight part ", i, " must be contiguous uint8 [rows, row_bytes] (or repacked [groups, chunks, bytes])");
+    TORCH_CHECK(types[i] >= kX16 ? (ws[i].size(0) * 16 >= rows[i]) : ws[i].size(0) == rows[i],
+                "linear_ggml: part ", i, " does not hold ", rows[i], " rows");
+    total += rows[i];
   }
-  TORCH_CHECK(rows == O, "linear_ggml: the parts have ", rows, " rows, not ", O);
+  TORCH_CHECK(total == O, "linear_ggml: the parts have ", total, " rows, not ", O);
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   TORCH_CHECK(!bias.has_value() || bias->numel() == O, "linear_ggml: bias must have O values");
   auto y = torch::empty({M, O}, x.options());
+  float* yp = y.data_ptr<float>();
   // activations prepared once for all parts: int8 per 32 for the dot, bf16 pairs for the panel path
   QAct a{};
   std::vector<uint32_t> xb;
-  const bool dot = M < kDotRowsMax;
-  if (K % 32 == 0 && dot) a = quantize_rows(x.data_ptr<float>(), M, K);
-  if (!dot) xb = bf16::pairs(x.data_ptr<float>(), M, K);
+  auto uses_dot = [&](size_t i) { return M < (types[i] >= kX16 ? kX16DotRowsMax : kDotRowsMax); };
+  bool any_dot = false, any_panel = false;
+  for (size_t i = 0; i < ws.size(); ++i) (uses_dot(i) ? any_dot : any_panel) = true;
+  if (K % 32 == 0 && any_dot) a = quantize_rows(x.data_ptr<float>(), M, K);
+  if (any_panel) xb = bf16::pairs(x.data_ptr<float>(), M, K);
   int64_t col0 = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    dispatch(types[i], [&](auto f) {
-      linear_part<decltype(f)>(dot ? &a : nullptr, &xb, M, K, ws[i], b, y.data_ptr<float>(), O, col0);
-      return 0;
-    });
-    col0 += ws[i].size(0);
+    const bool dot = uses_dot(i);
+    if (types[i] >= kX16) {
+      const int64_t t = types[i] - kX16;
+      TORCH_CHECK(x16_supported(t) && K % 32 == 0, "linear_ggml: repacked type ", t, " cannot run here");
+      float* yc = yp + col0;
+      const float* bc = b ? b + col0 : nullptr;
+      if (dot) {
+        x16_dot(t, ws[i], rows[i], a.view(), M, bc, yc, O);
+      } else {
+        panel_sweep(&xb, M, K, rows[i], bc, yc, O, [&](int64_t p, uint16_t* panel, std::vector<float>&) {
+          x16_panel(t, ws[i], rows[i], K, p, panel);
+        });
+      }
+    } else {
+      dispatch(types[i], [&](auto f) {
+        linear_part<decltype(f)>(dot ? &a : nullptr, &xb, M, K, ws[i], b, yp, O, col0);
+        return 0;
+      });
+    }
+    col0 += rows[i];
   }
   return y;
 }
 
-torch::Tensor dequantize_ggml(torch::Tensor w, int64_t type, int64_t K) {
+torch::Tensor dequantize_ggml(torch::Tensor w, int64_t type, int64_t K, int64_t rows, c10::optional<torch::Tensor> ids) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous(), "dequantize_ggml: w must be contiguous uint8");
+  const torch::Tensor idx = ids.has_value() ? ids->to(torch::kInt64) : torch::Tensor();
+  if (type >= kX16) return x16_dequantize(type - kX16, w, rows, K, idx);
   check_weight(w);
-  return dispatch(type, [&](auto f) { return dequantize<decltype(f)>(w, K); });
+  const torch::Tensor sel = idx.defined() ? w.index_select(0, idx) : w;
+  return dispatch(type, [&](auto f) { return dequantize<decltype(f)>(sel, K); });
 }
+
+bool ggml_repacks(int64_t type) { return x16_supported(type); }
+
+torch::Tensor repack_ggml(torch::Tensor w, int64_t type) { return repack_x16(w, type); }

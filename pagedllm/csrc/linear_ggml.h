@@ -2,7 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
+// ws[i]: [rows_i, row_bytes] in type i's file layout, or repacked (type + 1000, see linear_x16.h)
 torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
-                          c10::optional<torch::Tensor> bias, int64_t O);
-torch::Tensor dequantize_ggml(torch::Tensor w, int64_t type, int64_t K);
+                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O);
+torch::Tensor dequantize_ggml(torch::Tensor w, int64_t type, int64_t K, int64_t rows, c10::optional<torch::Tensor> ids);
+bool ggml_repacks(int64_t type);  // does this CPU run `type` repacked (repack_ggml, then type + 1000)?
+torch::Tensor repack_ggml(torch::Tensor w, int64_t type);
 const char* linear_ggml_isa();

@@ -455,7 +455,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
   m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");
   m.def("linear_ggml", &linear_ggml, "x @ w.T (+ b), w in a ggml block format as GGUF stores it, x and y fp32 (CPU)");
-  m.def("dequantize_ggml", &dequantize_ggml, "rows of a ggml block format -> fp32 [rows, K]");
+  m.def("dequantize_ggml", &dequantize_ggml, "rows of a ggml block format (or repacked) -> fp32 [rows or ids, K]");
+  m.def("ggml_repacks", &ggml_repacks, "whether this CPU runs a ggml type repacked into 16-row groups");
+  m.def("repack_ggml", &repack_ggml, "[O, row_bytes] -> 16-row groups [ceil(O / 16), K / 32, bytes] (Q4_0 Q4_1 Q8_0)");
   m.def("linear_ggml_isa", &linear_ggml_isa, "the instruction set linear_ggml's integer dot was compiled for");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }

@@ -1,0 +1,272 @@
+// Q4_0, Q4_1 and Q8_0 weights repacked once at load into groups of 16 output rows, the layout that
+// lets AVX-512 VNNI keep one output row per 32-bit lane (the idea of ggml's repacked Q4_0x8 gemv):
+// per group and 32-weight chunk g (the rows' blocks g, side by side; a last group's extra rows zero):
+//   [16 x fp16 d] ([16 x fp16 m] for Q4_1) then the quants as 64-byte vectors, byte 4r + i of vector t =
+//   Q4_*: nibble byte 4t + i of row r's block (low nibble: weight 4t + i, high: weight 16 + 4t + i), t < 4;
+//   Q8_0: weight 4t + i of row r, t < 8.
+// Same bytes per weight as the file (Q4_0 18 B / 32, Q4_1 20, Q8_0 34). Decode (M < 16 rows of x): per
+// chunk 8 vpdpbusd against broadcasts of 4 activation bytes give the 16 rows' integer dots in one
+// register; the offsets (-8 * sum(qa) for Q4_0, -128 * sum(qa) for Q8_0 made unsigned) seed the
+// accumulator; one fma applies d * da per row. About 0.07 instructions per weight at one row of x,
+// against 0.44 for the generic chunk-pair loop over the file's layout (linear_ggml.cpp).
+// Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma.
+// ISA: AVX512F + BW + VNNI only (x16_supported() is false elsewhere: the file's layout is used).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstring>
+
+#include "bf16_tile.h"
+#include "ggml_blocks.h"
+#include "linear_x16.h"
+
+namespace {
+
+struct Layout {
+  int64_t block_bytes, quant_at, chunk_bytes, nvec;  // in the file; in a group chunk
+  bool has_min, is_q8;
+};
+
+Layout layout(int64_t type) {
+  switch (type) {
+    case 2: return {18, 32, 288, 4, false, false};   // Q4_0
+    case 3: return {20, 64, 320, 4, true, false};    // Q4_1
+    case 8: return {34, 32, 544, 8, false, true};    // Q8_0
+    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0)");
+  }
+  return {};
+}
+
+inline float fp16_at(const uint8_t* p) { return ggml::fp16(p); }
+
+// weight k (0..31) of row `lane` in a group chunk, as its quant (Q4: 0..15; Q8: -128..127)
+inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
+  if (L.is_q8) return static_cast<int8_t>(qs[(k / 4) * 64 + 4 * lane + k % 4]);
+  const int kk = k % 16;
+  const uint8_t b = qs[(kk / 4) * 64 + 4 * lane + kk % 4];
+  return k < 16 ? (b & 0x0f) : (b >> 4);
+}
+
+}  // namespace
+
+bool x16_supported(int64_t type) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  return type == 2 || type == 3 || type == 8;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+torch::Tensor repack_x16(torch::Tensor w, int64_t type) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "repack_x16: w must be [O, row_bytes] uint8");
+  const Layout L = layout(type);
+  const int64_t O = w.size(0), nch = w.size(1) / L.block_bytes, G = (O + 15) / 16;
+  TORCH_CHECK(w.size(1) == nch * L.block_bytes, "repack_x16: rows are not whole blocks");
+  auto out = torch::zeros({G, nch, L.chunk_bytes}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t grp = lo; grp < hi; ++grp)
+      for (int64_t g = 0; g < nch; ++g) {
+        uint8_t* c = dst + (grp * nch + g) * L.chunk_bytes;
+        for (int r = 0; r < 16 && grp * 16 + r < O; ++r) {
+          const uint8_t* b = src + (grp * 16 + r) * w.size(1) + g * L.block_bytes;
+          std::memcpy(c + 2 * r, b, 2);                       // d
+          if (L.has_min) std::memcpy(c + 32 + 2 * r, b + 2, 2);  // m
+          const uint8_t* q = b + (L.has_min ? 4 : 2);
+          const int64_t nbytes = L.is_q8 ? 32 : 16;
+          for (int64_t j = 0; j < nbytes; ++j) c[L.quant_at + (j / 4) * 64 + 4 * r + j % 4] = q[j];
+        }
+      }
+  });
+  return out;
+}
+
+torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, const torch::Tensor& ids) {
+  const Layout L = layout(type);
+  const int64_t nch = w.size(1);
+  TORCH_CHECK(K == nch * 32, "x16_dequantize: the weight holds ", nch * 32, " columns, not ", K);
+  const bool all = !ids.defined() || ids.numel() == 0;
+  const int64_t R = all ? rows : ids.numel();
+  auto idx = all ? torch::Tensor() : ids.to(torch::kInt64).contiguous();
+  const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (all ? 0 : R); ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "x16_dequantize: row ", ip[i], " out of range");
+  auto out = torch::empty({R, K}, torch::kFloat32);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t r = all ? i : ip[i], grp = r / 16;
+      const int lane = static_cast<int>(r % 16);
+      for (int64_t g = 0; g < nch; ++g) {
+        const uint8_t* c = wp + (grp * nch + g) * L.chunk_bytes;
+        const float d = fp16_at(c + 2 * lane);
+        const float m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * d;
+        for (int k = 0; k < 32; ++k) op[i * K + 32 * g + k] = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
+      }
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+namespace {
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// T activation rows t0 .. t0 + T - 1 against the groups [g_lo, g_hi)
+template <int TYPE, int T>
+void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const QActView& a,
+                int64_t t0, const float* bias, float* y, int64_t O) {
+  constexpr bool kMin = TYPE == 3, kQ8 = TYPE == 8;
+  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : 544, QAT = kMin ? 64 : 32;
+  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t K = a.K;
+  for (int64_t grp = g_lo; grp < g_hi; ++grp) {
+    __m512 acc[T], off[T];
+    for (int t = 0; t < T; ++t) acc[t] = off[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < nch; ++g) {
+      const uint8_t* c = wp + (grp * nch + g) * CB;
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+      __m512 mv = _mm512_setzero_ps();
+      if constexpr (kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
+      __m512i v[8];
+      if constexpr (kQ8) {
+        for (int t = 0; t < 8; ++t) v[t] = _mm512_xor_si512(_mm512_loadu_si512(c + QAT + 64 * t), flip);
+      } else {
+        for (int t = 0; t < 4; ++t) {
+          const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
+          v[t] = _mm512_and_si512(raw, nib);                          // weights 4t + i
+          v[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);  // weights 16 + 4t + i
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const int64_t r = t0 + t;
+        const int8_t* ag = a.q + r * K + 32 * g;
+        const int32_t base = kMin ? 0 : (kQ8 ? -128 : -8) * a.sum[r * a.nch + g];
+        __m512i i0 = _mm512_set1_epi32(base), i1 = _mm512_setzero_si512();
+        if constexpr (kQ8) {
+          for (int j = 0; j < 8; j += 2) {
+            i0 = _mm512_dpbusd_epi32(i0, v[j], _mm512_set1_epi32(load_i32(ag + 4 * j)));
+            i1 = _mm512_dpbusd_epi32(i1, v[j + 1], _mm512_set1_epi32(load_i32(ag + 4 * j + 4)));
+          }
+        } else {
+          for (int j = 0; j < 4; ++j) {
+            i0 = _mm512_dpbusd_epi32(i0, v[j], _mm512_set1_epi32(load_i32(ag + 4 * j)));
+            i1 = _mm512_dpbusd_epi32(i1, v[4 + j], _mm512_set1_epi32(load_i32(ag + 16 + 4 * j)));
+          }
+        }
+        const __m512 da = _mm512_set1_ps(a.d[r * a.nch + g]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(dv, da), acc[t]);
+        if constexpr (kMin)
+          off[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[(r * a.nch + g) * 2] + a.s[(r * a.nch + g) * 2 + 1]), off[t]);
+      }
+    }
+    const int64_t n0 = grp * 16, live = std::min<int64_t>(16, rows - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    for (int t = 0; t < T; ++t) {
+      __m512 out = _mm512_add_ps(acc[t], off[t]);
+      if (bias) out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, bias + n0));
+      _mm512_mask_storeu_ps(y + (t0 + t) * O + n0, mask, out);
+    }
+  }
+}
+
+template <int TYPE>
+void dot_all(const uint8_t* wp, int64_t nch, int64_t rows, const QActView& a, int64_t M, const float* bias, float* y,
+             int64_t O) {
+  const int64_t G = (rows + 15) / 16;
+  at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
+    int64_t t = 0;
+    for (; t + 4 <= M; t += 4) dot_groups<TYPE, 4>(wp, nch, lo, hi, rows, a, t, bias, y, O);
+    switch (M - t) {
+      case 3: dot_groups<TYPE, 3>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
+      case 2: dot_groups<TYPE, 2>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
+      case 1: dot_groups<TYPE, 1>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
+      default: break;
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const QActView& a, int64_t M, const float* bias,
+             float* y, int64_t O) {
+  TORCH_CHECK(x16_supported(type), "x16_dot: not compiled for this CPU");
+  TORCH_CHECK(w.size(1) == a.nch, "linear_ggml: x [", M, ", ", a.K, "] does not match a repacked weight of ", w.size(1) * 32,
+              " columns");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (type == 2) dot_all<2>(wp, a.nch, rows, a, M, bias, y, O);
+  if (type == 3) dot_all<3>(wp, a.nch, rows, a, M, bias, y, O);
+  if (type == 8) dot_all<8>(wp, a.nch, rows, a, M, bias, y, O);
+#else
+  (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O;
+#endif
+}
+
+void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, int64_t p, uint16_t* panel) {
+  const Layout L = layout(type);
+  const int64_t nch = w.size(1), G = w.size(0);
+  TORCH_CHECK(K == nch * 32, "linear_ggml: x has ", K, " columns, the repacked weight ", nch * 32);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  (void)rows;  // padded rows are zero blocks: they dequantize to 0
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const __m512i low4 = _mm512_set1_epi32(0x0f);
+  for (int gi = 0; gi < 3; ++gi) {
+    const int64_t grp = 3 * p + gi;
+    for (int64_t g = 0; g < nch; ++g) {
+      uint16_t* dst = panel + (16 * g * bf16::NR + 16 * gi) * 2;  // k pair j of this chunk: + j * 48 * 2
+      if (grp >= G) {
+        for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * bf16::NR * 2, _mm512_setzero_si512());
+        continue;
+      }
+      const uint8_t* c = wp + (grp * nch + g) * L.chunk_bytes;
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+      const __m512 mv = L.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)))
+                                  : L.is_q8 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+      __m512 wk[2];
+      for (int k = 0; k < 32; ++k) {
+        __m512i q;
+        if (L.is_q8) {
+          const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (k / 4));
+          q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * (k % 4)), 24);  // sign-extend byte k % 4
+        } else {
+          const int kk = k % 16;
+          const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (kk / 4));
+          q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (kk % 4) + (k < 16 ? 0 : 4)), low4);
+        }
+        wk[k % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, mv);  // weight k of the 16 rows
+        if (k % 2) {
+          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wk[0]));
+          const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wk[1]));
+          _mm512_storeu_si512(dst + (k / 2) * bf16::NR * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      }
+    }
+  }
+#else  // no vcvtneps2bf16: the scalar dequantization, rounded as torch rounds
+  for (int gi = 0; gi < 3; ++gi) {
+    const int64_t grp = 3 * p + gi;
+    for (int64_t g = 0; g < nch; ++g)
+      for (int lane = 0; lane < 16; ++lane)
+        for (int k = 0; k < 32; ++k) {
+          float v = 0.f;
+          if (grp < G) {
+            const uint8_t* c = wp + (grp * nch + g) * L.chunk_bytes;
+            const float d = fp16_at(c + 2 * lane);
+            const float m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * d;
+            v = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
+          }
+          panel[(((32 * g + k) / 2) * bf16::NR + 16 * gi + lane) * 2 + k % 2] = bf16::to_bf16(v);
+        }
+  }
+#endif
+}
