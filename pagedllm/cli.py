@@ -141,7 +141,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     shape = load_shape(args.model, args.preset)
     p = plan(shape, args.memory, args.kv_dtype, args.block_size, args.max_model_len, args.weights_memory,
-             args.activation_memory, args.mean_prompt, args.mean_output, concurrency=args.concurrency)
+             args.activation_memory, args.mean_prompt, args.mean_output, concurrency=args.concurrency,
+             weight_format=args.weight_format)
     print(json.dumps(p.to_dict(), indent=1) if args.json else format_plan(p))
     return 0
 
@@ -348,7 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="capacity planner: KV arithmetic, static vs paged concurrency")
     model_args(pl)
     pl.add_argument("--memory", default="80GB", help="device memory")
-    pl.add_argument("--weights-memory", default=None, help="default: parameters x 2 bytes (or the preset's)")
+    pl.add_argument("--weights-memory", default=None, help="default: as stored (a GGUF's formats, the preset's) "
+                                                            "or parameters x 2 bytes")
+    pl.add_argument("--weight-format", default=None, help="parameters x this format's bytes per weight: f32, bf16, "
+                                                           "q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k")
     pl.add_argument("--activation-memory", default=None)
     pl.add_argument("--mean-prompt", type=int, default=512)
     pl.add_argument("--mean-output", type=int, default=256)

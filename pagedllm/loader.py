@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from .errors import ModelLoadError
+from .formats import FORMATS, GGML_KERNEL_FORMATS, QUANTIZE_AT_LOAD, WeightFormat, format_of_ggml
 from .kernels import Ops, auto_dtype, load_ops
 from .models.llama import LlamaForCausalLM, ModelConfig
 from .tokenizer import Tokenizer
-from .weight_formats import FORMATS, GGML_KERNEL_FORMATS, QUANTIZE_AT_LOAD, GGMLWeight, WeightFormat, format_of_ggml, quantize
+from .weight_formats import GGMLWeight, quantize
 
 log = logging.getLogger("pagedllm")
 _DENSE = (FORMATS["f32"], FORMATS["f16"], FORMATS["bf16"])
@@ -356,7 +357,11 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) 
     else:
         linear(model.lm_head, [("output", "output.weight")], None)
     param(model.norm, "output_norm.weight")
-    for i, layer in enumerate(model.layers):
+    from tqdm import tqdm
+
+    # a bar only for loads that take a while (a 7-8B file), on a terminal
+    bar = tqdm(model.layers, desc=f"loading {path.name}", unit="layer", delay=2, leave=False, disable=None)
+    for i, layer in enumerate(bar):
         p = f"blk.{i}."
         qkv_bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if layer.qkv_proj.bias is not None else None
         linear(layer.qkv_proj, [(k, p + k + ".weight") for k in ("attn_q", "attn_k", "attn_v")], qkv_bias)

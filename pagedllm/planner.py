@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import parse_size
+from .formats import FORMATS
 
 KV_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
 FP8_SCALE_BYTES = 2  # one bf16 scale per token and kv head (see kv_quant.py)
@@ -63,6 +64,7 @@ def shape_from_gguf(path: Path) -> ModelShape:
 
     r = GGUFReader(str(path))
     arch = r.fields["general.architecture"].contents()
+    stored = sum(int(t.n_bytes) for t in r.tensors)  # what the engine holds: the file's formats, as stored
 
     def g(key: str, default=None):  # noqa: ANN001, ANN202
         f = r.fields.get(f"{arch}.{key}")
@@ -72,7 +74,8 @@ def shape_from_gguf(path: Path) -> ModelShape:
     vocab = g("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
     return ModelShape(path.stem, int(g("block_count")), hidden, heads, int(g("attention.head_count_kv", heads)),
                       int(g("attention.key_length", hidden // heads)), int(g("feed_forward_length")), int(vocab),
-                      int(g("context_length", 2048)), not any(t.name == "output.weight" for t in r.tensors))
+                      int(g("context_length", 2048)), not any(t.name == "output.weight" for t in r.tensors),
+                      weights_bytes=stored)
 
 
 def load_shape(model: str | None = None, preset: str | None = None) -> ModelShape:
@@ -125,13 +128,20 @@ class Plan:
 def plan(shape: ModelShape, memory: str | int, kv_dtype: str = "float16", block_size: int = 16,
          max_model_len: int | None = None, weights_memory: str | int | None = None,
          activation_memory: str | int | None = 0, mean_prompt: int = 512, mean_output: int = 256,
-         weight_dtype_bytes: int | None = None, concurrency: int | None = None) -> Plan:
+         weight_dtype_bytes: float | None = None, concurrency: int | None = None,
+         weight_format: str | None = None) -> Plan:
+    """weight_format: the weights' storage format (f32, bf16, q8_0, q4_0, q4_k, ...): parameters x its
+    bytes per weight; default: as deployed (a GGUF's own formats; the presets' fp16), else 2 bytes."""
     if kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"kv dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
     max_len = max_model_len or shape.max_model_len
     mem = parse_size(memory)
     if weights_memory is not None:
         weights = parse_size(weights_memory)
+    elif weight_format is not None:
+        if weight_format not in FORMATS:
+            raise ValueError(f"weight format must be one of {sorted(FORMATS)}, got {weight_format!r}")
+        weights = int(shape.num_params * FORMATS[weight_format].bytes_per_weight)
     else:
         wbytes = weight_dtype_bytes or (4 if kv_dtype == "float32" else 2)
         weights = shape.weights_bytes or shape.num_params * wbytes

@@ -52,3 +52,23 @@ def test_plan_cli_json_and_model_sources(tiny_models):  # noqa: ANN001
 
     g = load_shape(str(default_model_path()))
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (30, 3, 64, 49152)
+
+
+def test_weights_per_format_and_a_gguf_as_stored(tmp_path):  # noqa: ANN001
+    """The seed's question for a quantized model: 13B in Q4_0 leaves 18 GB more for KV than in fp16."""
+    shape = load_shape(preset="seed-13b")
+    fp16 = plan(shape, "80GB", "float16", weight_format="f16")
+    q4 = plan(shape, "80GB", "float16", weight_format="q4_0")
+    assert fp16.weights_bytes == shape.num_params * 2 and q4.weights_bytes == int(shape.num_params * 18 / 32)
+    assert q4.max_seqs_paged > fp16.max_seqs_paged
+    with pytest.raises(ValueError, match="weight format"):
+        plan(shape, "80GB", weight_format="q3_k")
+    pytest.importorskip("gguf")
+    from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
+
+    path = write_random_gguf(tmp_path / "t.gguf", SHAPES["tiny"], "Q4_0", types={"attn_v.weight": "Q8_0"})
+    from gguf import GGUFReader
+
+    stored = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    assert load_shape(str(path)).weights_bytes == stored
+    assert plan(load_shape(str(path)), "1GB").weights_bytes == stored

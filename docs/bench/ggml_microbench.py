@@ -15,8 +15,9 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
 from pagedllm.bench.random_gguf import random_tensor
+from pagedllm.formats import FORMATS
 from pagedllm.kernels import load_ops
-from pagedllm.weight_formats import FORMATS, GGMLWeight
+from pagedllm.weight_formats import GGMLWeight
 
 torch.set_num_threads(2)
 ops = load_ops()
