@@ -34,7 +34,7 @@ namespace {
 
 // rows of x below which the integer dot runs, else bf16 panels; measured with docs/bench/ggml_microbench.py
 constexpr int64_t kDotRowsMax = 16;      // the file's layout (chunk-pair loop)
-constexpr int64_t kX16DotRowsMax = 128;  // repacked 16-row groups (at 64 rows: 19 ms vs 25 for bf16; even at 127)
+constexpr int64_t kX16DotRowsMax = 80;   // repacked 16-row groups, int16 activations (64 rows: 29 ms vs 33 on panels)
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -59,13 +59,11 @@ struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<float> dl;  // d repeated over the 8 int32 lanes of its chunk: [M, K / 32, 8] (AVX-512 path)
-  std::vector<int32_t> sum;  // sum(q) per 32: [M, K / 32] (the repacked formats' offsets)
-  QActView view() const { return {K, nch, q.data(), d.data(), s.data(), sum.data()}; }
 };
 
 QAct quantize_rows(const float* x, int64_t M, int64_t K) {
   QAct a{K, K / 32, std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 16)),
-         std::vector<float>(M * (K / 32) * 8), std::vector<int32_t>(M * (K / 32))};
+         std::vector<float>(M * (K / 32) * 8)};
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
@@ -80,7 +78,6 @@ QAct quantize_rows(const float* x, int64_t M, int64_t K) {
           (i < 16 ? s0 : s1) += q[i];
         }
         a.d[m * a.nch + g] = d;
-        a.sum[m * a.nch + g] = s0 + s1;
         std::fill_n(a.dl.data() + (m * a.nch + g) * 8, 8, d);
         a.s[(m * a.nch + g) * 2] = d * static_cast<float>(s0);
         a.s[(m * a.nch + g) * 2 + 1] = d * static_cast<float>(s1);
@@ -454,9 +451,11 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   QAct a{};
   std::vector<uint32_t> xb;
   auto uses_dot = [&](size_t i) { return M < (types[i] >= kX16 ? kX16DotRowsMax : kDotRowsMax); };
-  bool any_dot = false, any_panel = false;
-  for (size_t i = 0; i < ws.size(); ++i) (uses_dot(i) ? any_dot : any_panel) = true;
+  bool any_dot = false, any_x16_dot = false, any_panel = false;
+  for (size_t i = 0; i < ws.size(); ++i) (uses_dot(i) ? (types[i] >= kX16 ? any_x16_dot : any_dot) : any_panel) = true;
   if (K % 32 == 0 && any_dot) a = quantize_rows(x.data_ptr<float>(), M, K);
+  X16Act a16;
+  if (K % 32 == 0 && any_x16_dot) a16 = x16_quantize(x.data_ptr<float>(), M, K);
   if (any_panel) xb = bf16::pairs(x.data_ptr<float>(), M, K);
   int64_t col0 = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -467,7 +466,7 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
       float* yc = yp + col0;
       const float* bc = b ? b + col0 : nullptr;
       if (dot) {
-        x16_dot(t, ws[i], rows[i], a.view(), M, bc, yc, O);
+        x16_dot(t, ws[i], rows[i], a16, M, bc, yc, O);
       } else {
         panel_sweep(&xb, M, K, rows[i], bc, yc, O, [&](int64_t p, uint16_t* panel, std::vector<float>&) {
           x16_panel(t, ws[i], rows[i], K, p, panel);

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cmath>
 #include <cstring>
 
 #include "bf16_tile.h"
@@ -83,6 +84,36 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t type) {
   return out;
 }
 
+X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
+  X16Act a;
+  a.K = K;
+  a.nch = K / 32;
+  a.q.resize(M * K);
+  a.d.resize(M * a.nch);
+  a.s.resize(M * a.nch);
+  a.sum.resize(M * a.nch);
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m)
+      for (int64_t g = 0; g < a.nch; ++g) {
+        const float* xs = x + m * K + 32 * g;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xs[i]));
+        const float d = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
+        int16_t* q = a.q.data() + m * K + 32 * g;
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int16_t v = static_cast<int16_t>(std::nearbyint(xs[i] * id));
+          q[(i & ~3) + (i & 1) * 2 + (i & 2) / 2] = v;  // in 4s: [0, 2, 1, 3]
+          sum += v;
+        }
+        a.d[m * a.nch + g] = d;
+        a.sum[m * a.nch + g] = sum;
+        a.s[m * a.nch + g] = d * static_cast<float>(sum);
+      }
+  });
+  return a;
+}
+
 torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, const torch::Tensor& ids) {
   const Layout L = layout(type);
   const int64_t nch = w.size(1);
@@ -114,19 +145,15 @@ torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 namespace {
 
-inline int32_t load_i32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// T activation rows t0 .. t0 + T - 1 against the groups [g_lo, g_hi)
+// T activation rows t0 .. t0 + T - 1 against the groups [g_lo, g_hi). Each 32-bit lane holds two
+// int16 weights of its row (the even and the odd bytes of a 4-byte group, split by a mask and a
+// shift) and vpdpwssd adds their products with the broadcast activation pair.
 template <int TYPE, int T>
-void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const QActView& a,
+void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const X16Act& a,
                 int64_t t0, const float* bias, float* y, int64_t O) {
   constexpr bool kMin = TYPE == 3, kQ8 = TYPE == 8;
   constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : 544, QAT = kMin ? 64 : 32;
-  const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
   const int64_t K = a.K;
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
     __m512 acc[T], off[T];
@@ -136,36 +163,47 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
       __m512 mv = _mm512_setzero_ps();
       if constexpr (kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
-      __m512i v[8];
+      // w[j]: int16 pairs of weights (4 j' + {0, 2}) or (4 j' + {1, 3}); wk[j]: their first weight's index
+      __m512i w[16];
+      int wk[16];
       if constexpr (kQ8) {
-        for (int t = 0; t < 8; ++t) v[t] = _mm512_xor_si512(_mm512_loadu_si512(c + QAT + 64 * t), flip);
+        for (int t = 0; t < 8; ++t) {
+          const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
+          w[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);  // bytes 0, 2: sign-extended
+          w[2 * t + 1] = _mm512_srai_epi16(raw, 8);                    // bytes 1, 3
+          wk[2 * t] = 4 * t;
+          wk[2 * t + 1] = 4 * t + 1;
+        }
       } else {
         for (int t = 0; t < 4; ++t) {
           const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
-          v[t] = _mm512_and_si512(raw, nib);                          // weights 4t + i
-          v[4 + t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);  // weights 16 + 4t + i
+          w[4 * t] = _mm512_and_si512(raw, m4);                            // weights 4t + {0, 2}
+          w[4 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(raw, 8), m4);  // 4t + {1, 3}
+          w[4 * t + 2] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), m4);  // 16 + 4t + {0, 2}
+          w[4 * t + 3] = _mm512_and_si512(_mm512_srli_epi32(raw, 12), m4);  // 16 + 4t + {1, 3}
+          wk[4 * t] = 4 * t;
+          wk[4 * t + 1] = 4 * t + 1;
+          wk[4 * t + 2] = 16 + 4 * t;
+          wk[4 * t + 3] = 16 + 4 * t + 1;
         }
       }
+      (void)m8;
       for (int t = 0; t < T; ++t) {
         const int64_t r = t0 + t;
-        const int8_t* ag = a.q + r * K + 32 * g;
-        const int32_t base = kMin ? 0 : (kQ8 ? -128 : -8) * a.sum[r * a.nch + g];
+        const int16_t* ag = a.q.data() + r * K + 32 * g;  // in 4s as [0, 2, 1, 3]
+        const int32_t base = kMin ? 0 : kQ8 ? 0 : -8 * a.sum[r * a.nch + g];
         __m512i i0 = _mm512_set1_epi32(base), i1 = _mm512_setzero_si512();
-        if constexpr (kQ8) {
-          for (int j = 0; j < 8; j += 2) {
-            i0 = _mm512_dpbusd_epi32(i0, v[j], _mm512_set1_epi32(load_i32(ag + 4 * j)));
-            i1 = _mm512_dpbusd_epi32(i1, v[j + 1], _mm512_set1_epi32(load_i32(ag + 4 * j + 4)));
-          }
-        } else {
-          for (int j = 0; j < 4; ++j) {
-            i0 = _mm512_dpbusd_epi32(i0, v[j], _mm512_set1_epi32(load_i32(ag + 4 * j)));
-            i1 = _mm512_dpbusd_epi32(i1, v[4 + j], _mm512_set1_epi32(load_i32(ag + 16 + 4 * j)));
-          }
+        for (int j = 0; j < 16; j += 2) {
+          // pair (k, k + 2) sits at 4 (k / 4) of the reordered row, (k + 1, k + 3) two int16 further
+          int32_t p0, p1;
+          std::memcpy(&p0, ag + (wk[j] & ~3) + 2 * (wk[j] & 1), 4);
+          std::memcpy(&p1, ag + (wk[j + 1] & ~3) + 2 * (wk[j + 1] & 1), 4);
+          i0 = _mm512_dpwssd_epi32(i0, w[j], _mm512_set1_epi32(p0));
+          i1 = _mm512_dpwssd_epi32(i1, w[j + 1], _mm512_set1_epi32(p1));
         }
         const __m512 da = _mm512_set1_ps(a.d[r * a.nch + g]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(dv, da), acc[t]);
-        if constexpr (kMin)
-          off[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[(r * a.nch + g) * 2] + a.s[(r * a.nch + g) * 2 + 1]), off[t]);
+        if constexpr (kMin) off[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[r * a.nch + g]), off[t]);
       }
     }
     const int64_t n0 = grp * 16, live = std::min<int64_t>(16, rows - n0);
@@ -179,7 +217,7 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
 }
 
 template <int TYPE>
-void dot_all(const uint8_t* wp, int64_t nch, int64_t rows, const QActView& a, int64_t M, const float* bias, float* y,
+void dot_all(const uint8_t* wp, int64_t nch, int64_t rows, const X16Act& a, int64_t M, const float* bias, float* y,
              int64_t O) {
   const int64_t G = (rows + 15) / 16;
   at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
@@ -197,7 +235,7 @@ void dot_all(const uint8_t* wp, int64_t nch, int64_t rows, const QActView& a, in
 }  // namespace
 #endif
 
-void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const QActView& a, int64_t M, const float* bias,
+void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
              float* y, int64_t O) {
   TORCH_CHECK(x16_supported(type), "x16_dot: not compiled for this CPU");
   TORCH_CHECK(w.size(1) == a.nch, "linear_ggml: x [", M, ", ", a.K, "] does not match a repacked weight of ", w.size(1) * 32,

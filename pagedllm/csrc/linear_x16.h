@@ -8,16 +8,19 @@ constexpr int64_t kX16 = 1000;  // internal type id = ggml type + kX16 for a rep
 bool x16_supported(int64_t type);
 torch::Tensor repack_x16(torch::Tensor w, int64_t type);  // [O, row_bytes] -> [ceil(O / 16), K / 32, bytes]
 
-struct QActView {  // the activations quantized per 32 (linear_ggml.cpp's QAct)
-  int64_t K, nch;
-  const int8_t* q;    // [M, K]
-  const float* d;     // [M, nch]
-  const float* s;     // [M, nch * 2]: d * sum(q) per 16
-  const int32_t* sum; // [M, nch]: sum(q) per 32
+// Activation rows quantized per 32 to int16 (scale max|x| / 32767: ~2^-15 relative error, finer than
+// bf16, so the dot's error is the weights' own); each group of 4 stored as [0, 2, 1, 3] so one 32-bit
+// broadcast is the pair a vpdpwssd lane needs.
+struct X16Act {
+  int64_t K = 0, nch = 0;
+  std::vector<int16_t> q;    // [M, K], reordered in 4s
+  std::vector<float> d, s;   // [M, nch]: scale; d * sum(q)
+  std::vector<int32_t> sum;  // [M, nch]: sum(q)
 };
+X16Act x16_quantize(const float* x, int64_t M, int64_t K);
 
-// y[:, col0 + n] for the part's `rows` outputs: the integer dot (decode-sized M)
-void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const QActView& a, int64_t M, const float* bias,
+// y[:, n] for the part's `rows` outputs (y, bias already at the part's first column): the integer dot
+void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
              float* y, int64_t O);
 // one 48-row bf16 panel [K2, 48, 2] (3 groups of 16 rows) for the prefill path; rows past `rows` zero
 void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, int64_t p, uint16_t* panel);
