@@ -34,7 +34,7 @@ namespace {
 
 // rows of x below which the integer dot runs, else bf16 panels; measured with docs/bench/ggml_microbench.py
 constexpr int64_t kDotRowsMax = 16;      // the file's layout (chunk-pair loop)
-constexpr int64_t kX16DotRowsMax = 80;   // repacked 16-row groups, int16 activations (64 rows: 29 ms vs 33 on panels)
+constexpr int64_t kX16DotRowsMax = 16;   // repacked 16-row groups, int16 activations (at 64 rows the panels win for K = 4096)
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -153,7 +153,7 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
                 int64_t t0, const float* bias, float* y, int64_t O) {
   constexpr bool kMin = TYPE == 3, kQ8 = TYPE == 8;
   constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : 544, QAT = kMin ? 64 : 32;
-  const __m512i m4 = _mm512_set1_epi32(0x000f000f), m8 = _mm512_set1_epi32(0x00ff00ff);
+  const __m512i m4 = _mm512_set1_epi32(0x000f000f);
   const int64_t K = a.K;
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
     __m512 acc[T], off[T];
@@ -163,46 +163,41 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
       __m512 mv = _mm512_setzero_ps();
       if constexpr (kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
-      // w[j]: int16 pairs of weights (4 j' + {0, 2}) or (4 j' + {1, 3}); wk[j]: their first weight's index
+      // w[j]: int16 pairs of weights; the activation pair each needs is int32 p[j] of the reordered row
+      // chunk (Q8: j in order; Q4: j = 4t + {0, 1} take 2t + {0, 1}, 4t + {2, 3} take 8 + 2t + {0, 1})
       __m512i w[16];
-      int wk[16];
       if constexpr (kQ8) {
         for (int t = 0; t < 8; ++t) {
           const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
-          w[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);  // bytes 0, 2: sign-extended
-          w[2 * t + 1] = _mm512_srai_epi16(raw, 8);                    // bytes 1, 3
-          wk[2 * t] = 4 * t;
-          wk[2 * t + 1] = 4 * t + 1;
+          w[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);  // bytes 0, 2: weights 4t + {0, 2}
+          w[2 * t + 1] = _mm512_srai_epi16(raw, 8);                    // bytes 1, 3: 4t + {1, 3}
         }
       } else {
         for (int t = 0; t < 4; ++t) {
           const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
-          w[4 * t] = _mm512_and_si512(raw, m4);                            // weights 4t + {0, 2}
-          w[4 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(raw, 8), m4);  // 4t + {1, 3}
-          w[4 * t + 2] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), m4);  // 16 + 4t + {0, 2}
+          w[4 * t] = _mm512_and_si512(raw, m4);                             // weights 4t + {0, 2}
+          w[4 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(raw, 8), m4);   // 4t + {1, 3}
+          w[4 * t + 2] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), m4);   // 16 + 4t + {0, 2}
           w[4 * t + 3] = _mm512_and_si512(_mm512_srli_epi32(raw, 12), m4);  // 16 + 4t + {1, 3}
-          wk[4 * t] = 4 * t;
-          wk[4 * t + 1] = 4 * t + 1;
-          wk[4 * t + 2] = 16 + 4 * t;
-          wk[4 * t + 3] = 16 + 4 * t + 1;
         }
       }
-      (void)m8;
+#pragma GCC unroll 1  // rows one after another: unrolled, their chains spill the 16 weight registers
       for (int t = 0; t < T; ++t) {
         const int64_t r = t0 + t;
-        const int16_t* ag = a.q.data() + r * K + 32 * g;  // in 4s as [0, 2, 1, 3]
-        const int32_t base = kMin ? 0 : kQ8 ? 0 : -8 * a.sum[r * a.nch + g];
-        __m512i i0 = _mm512_set1_epi32(base), i1 = _mm512_setzero_si512();
-        for (int j = 0; j < 16; j += 2) {
-          // pair (k, k + 2) sits at 4 (k / 4) of the reordered row, (k + 1, k + 3) two int16 further
-          int32_t p0, p1;
-          std::memcpy(&p0, ag + (wk[j] & ~3) + 2 * (wk[j] & 1), 4);
-          std::memcpy(&p1, ag + (wk[j + 1] & ~3) + 2 * (wk[j + 1] & 1), 4);
-          i0 = _mm512_dpwssd_epi32(i0, w[j], _mm512_set1_epi32(p0));
-          i1 = _mm512_dpwssd_epi32(i1, w[j + 1], _mm512_set1_epi32(p1));
+        const int32_t* p = reinterpret_cast<const int32_t*>(a.q.data() + r * K + 32 * g);  // 16 pairs
+        const int32_t base = kMin || kQ8 ? 0 : -8 * a.sum[r * a.nch + g];
+        constexpr int NC = 4;  // independent chains: vpdpwssd's latency, not its throughput, bounds one of 16
+        __m512i i[NC];
+        i[0] = _mm512_set1_epi32(base);
+        for (int n = 1; n < NC; ++n) i[n] = _mm512_setzero_si512();
+        for (int j = 0; j < 16; ++j) {
+          const int pj = kQ8 ? j : (j % 4 < 2 ? 2 * (j / 4) + j % 4 : 8 + 2 * (j / 4) + j % 4 - 2);
+          i[j % NC] = _mm512_dpwssd_epi32(i[j % NC], w[j], _mm512_set1_epi32(p[pj]));
         }
+        __m512i isum = i[0];
+        for (int n = 1; n < NC; ++n) isum = _mm512_add_epi32(isum, i[n]);
         const __m512 da = _mm512_set1_ps(a.d[r * a.nch + g]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(dv, da), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, da), acc[t]);
         if constexpr (kMin) off[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[r * a.nch + g]), off[t]);
       }
     }
