@@ -105,5 +105,5 @@ def run_llama_server(model: Path, work: list[WorkItem], server: str, slots: int,
     out_tokens = sum(int(r.get("tokens_predicted", 0)) for r in results)
     version = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
     return result_row(f"llama-server -np {slots}", work, wall, out_tokens, rss, slots=slots, threads=threads,
-                      llama_cpp_version=(version.stdout + version.stderr).strip().splitlines()[-1:],
+                      llama_cpp_version=" ".join((version.stdout + version.stderr).split()),
                       token_ids=[list(r.get("tokens", [])) for r in results])

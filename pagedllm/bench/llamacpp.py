@@ -61,9 +61,9 @@ class LlamaCpp:
     def __init__(self, model: str | None, n_ctx: int, f32: bool = False) -> None:
         try:
             from llama_cpp import Llama
-        except ImportError as e:
-            raise ModelLoadError("the llama-cpp baseline needs `pip install llama-cpp-python` "
-                                 "(it builds llama.cpp for this machine)") from e
+        except (ImportError, OSError, RuntimeError) as e:  # not installed, or its libllama not found
+            raise ModelLoadError(f"the llama-cpp baseline needs `pip install llama-cpp-python` (it builds llama.cpp "
+                                 f"for this machine), or LLAMA_CPP_LIB_PATH set to a libllama you built: {e}") from e
         from ..loader import default_model_path
 
         src = Path(model) if model else default_model_path()
