@@ -5,15 +5,14 @@ the integer dot and the dequantize-to-bf16 path is linear_ggml.cpp's kDotRowsMax
 Run: .venv/bin/python docs/bench/ggml_microbench.py [FORMAT ...] (correctness: tests/test_linear_ggml.py)."""
 
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
+from pagedllm.bench.common import median_time
 from pagedllm.bench.random_gguf import random_tensor
 from pagedllm.formats import FORMATS
 from pagedllm.kernels import load_ops
@@ -38,16 +37,6 @@ quant = {t: [GGMLWeight(ops, [(torch.from_numpy(random_tensor(rng, o, k, fallbac
                                 FORMATS[fallback(t, k).name.lower()])], k) for o, k in shapes] for t in formats}
 print("repacked into 16-row groups here:", [t.name for t in formats if ops.ggml_repacks(int(t))])
 flops_per_row = sum(2 * o * k for o, k in shapes)
-
-
-def median_time(fn, reps: int = 7) -> float:  # noqa: ANN001
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 for m in [int(v) for v in os.environ.get("ROWS", "1,2,4,8,12,15,16,24,32,64,256,1024").split(",")]:

@@ -2,12 +2,11 @@
 our fp32 packed kernel vs oneDNN's bf16 GEMM (torch) vs our bf16 kernel, median of 7.
 Run: .venv/bin/python docs/bench/linear_microbench.py (correctness is tests/test_bf16.py)."""
 
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.bench.common import median_time
 from pagedllm.kernels import load_ops, pack_weight
 
 torch.set_num_threads(2)
@@ -25,16 +24,6 @@ flops_per_row = sum(2 * o * k for o, k in shapes)
 
 def gflops(m: int, t: float) -> float:
     return flops_per_row * m / t / 1e9
-
-
-def median_time(fn, reps: int = 7) -> float:  # noqa: ANN001
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 for m in [1, 2, 4, 8, 16, 32, 64, 256, 1024]:

@@ -82,3 +82,16 @@ def write_json(path: str | None, report: dict) -> None:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def median_time(fn, reps: int = 7) -> float:  # noqa: ANN001
+    """Median wall time of fn() over reps calls, after one warm-up call (the microbenchmarks)."""
+    import statistics
+
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = now()
+        fn()
+        ts.append(now() - t)
+    return statistics.median(ts)

@@ -253,6 +253,9 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, in
   (void)rows;  // padded rows are zero blocks: they dequantize to 0
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const __m512i low4 = _mm512_set1_epi32(0x0f);
+  alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int gi = 0; gi < 3; ++gi) {
     const int64_t grp = 3 * p + gi;
     for (int64_t g = 0; g < nch; ++g) {
@@ -277,10 +280,9 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, in
           q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (kk % 4) + (k < 16 ? 0 : 4)), low4);
         }
         wk[k % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, mv);  // weight k of the 16 rows
-        if (k % 2) {
-          const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wk[0]));
-          const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wk[1]));
-          _mm512_storeu_si512(dst + (k / 2) * bf16::NR * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        if (k % 2) {  // [w_k(row 0), w_k+1(row 0), w_k(row 1), ...]: one convert of both, one interleave
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(wk[1], wk[0]);  // [w_k rows 0-15 | w_k+1 rows 0-15]
+          _mm512_storeu_si512(dst + (k / 2) * bf16::NR * 2, _mm512_permutexvar_epi16(interleave, both));
         }
       }
     }
