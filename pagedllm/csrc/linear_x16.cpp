@@ -1,10 +1,12 @@
-// Q4_0, Q4_1 and Q8_0 weights repacked once at load into groups of 16 output rows, the layout that
+// Q4_0, Q4_1, Q8_0 and Q4_K weights repacked once at load into groups of 16 output rows, the layout that
 // lets AVX-512 VNNI keep one output row per 32-bit lane (the idea of ggml's repacked Q4_0x8 gemv):
 // per group and 32-weight chunk g (the rows' blocks g, side by side; a last group's extra rows zero):
 //   [16 x fp16 d] ([16 x fp16 m] for Q4_1) then the quants as 64-byte vectors, byte 4r + i of vector t =
 //   Q4_*: nibble byte 4t + i of row r's block (low nibble: weight 4t + i, high: weight 16 + 4t + i), t < 4;
 //   Q8_0: weight 4t + i of row r, t < 8.
-// Same bytes per weight as the file (Q4_0 18 B / 32, Q4_1 20, Q8_0 34). Decode (M < 16 rows of x): per
+// Q4_K: the same nibble vectors per chunk, its 6-bit scale and min as bytes, d and dmin in a header per
+// superblock (see kQ4KSuper). Same bytes per weight as the file (Q4_0 18 B / 32, Q4_1 20, Q8_0 34),
+// Q4_K +3% (148 B / 256). Decode (M < 16 rows of x): per
 // chunk 8 vpdpbusd against broadcasts of 4 activation bytes give the 16 rows' integer dots in one
 // register; the offsets (-8 * sum(qa) for Q4_0, -128 * sum(qa) for Q8_0 made unsigned) seed the
 // accumulator; one fma applies d * da per row. About 0.07 instructions per weight at one row of x,
@@ -23,22 +25,44 @@
 
 namespace {
 
+inline float fp16_at(const uint8_t* p) { return ggml::fp16(p); }
+
 struct Layout {
-  int64_t block_bytes, quant_at, chunk_bytes, nvec;  // in the file; in a group chunk
-  bool has_min, is_q8;
+  int64_t block_bytes, quant_at, chunk_bytes;  // a block in the file; a group chunk: its quants' offset, its stride
+  bool has_min, is_q8, kquant;
 };
 
 Layout layout(int64_t type) {
   switch (type) {
-    case 2: return {18, 32, 288, 4, false, false};   // Q4_0
-    case 3: return {20, 64, 320, 4, true, false};    // Q4_1
-    case 8: return {34, 32, 544, 8, false, true};    // Q8_0
-    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0)");
+    case 2: return {18, 32, 288, false, false, false};  // Q4_0
+    case 3: return {20, 64, 320, true, false, false};   // Q4_1
+    case 8: return {34, 32, 544, false, true, false};   // Q8_0
+    case 12: return {144, 32, 296, true, false, true};  // Q4_K: 2368 B a superblock of 8 chunks (296 each on average)
+    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0, Q4_K)");
   }
   return {};
 }
 
-inline float fp16_at(const uint8_t* p) { return ggml::fp16(p); }
+// Q4_K: per group and 256-weight superblock, a 64 B header [16 x fp16 d][16 x fp16 dmin] and 8 chunks of
+// 288 B [16 x u8 scale][16 x u8 min][256 B nibbles]: w = d * scale * q - dmin * min, exactly as ggml
+constexpr int64_t kQ4KSuper = 64 + 8 * 288;
+
+inline const uint8_t* chunk_ptr(const uint8_t* wp, const Layout& L, int64_t nch, int64_t grp, int64_t g) {
+  if (!L.kquant) return wp + (grp * nch + g) * L.chunk_bytes;
+  return wp + grp * nch * L.chunk_bytes + (g / 8) * kQ4KSuper + 64 + (g % 8) * 288;
+}
+
+// the chunk's scale d and offset m of row `lane`: w = d * q + m
+inline void chunk_scale(const uint8_t* c, const Layout& L, int64_t g, int lane, float* d, float* m) {
+  if (L.kquant) {
+    const uint8_t* hdr = c - 64 - (g % 8) * 288;
+    *d = fp16_at(hdr + 2 * lane) * static_cast<float>(c[lane]);
+    *m = -(fp16_at(hdr + 32 + 2 * lane) * static_cast<float>(c[16 + lane]));
+    return;
+  }
+  *d = fp16_at(c + 2 * lane);
+  *m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * *d;
+}
 
 // weight k (0..31) of row `lane` in a group chunk, as its quant (Q4: 0..15; Q8: -128..127)
 inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
@@ -52,7 +76,7 @@ inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
 
 bool x16_supported(int64_t type) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  return type == 2 || type == 3 || type == 8;
+  return type == 2 || type == 3 || type == 8 || type == 12;
 #else
   (void)type;
   return false;
@@ -62,22 +86,45 @@ bool x16_supported(int64_t type) {
 torch::Tensor repack_x16(torch::Tensor w, int64_t type) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "repack_x16: w must be [O, row_bytes] uint8");
   const Layout L = layout(type);
-  const int64_t O = w.size(0), nch = w.size(1) / L.block_bytes, G = (O + 15) / 16;
-  TORCH_CHECK(w.size(1) == nch * L.block_bytes, "repack_x16: rows are not whole blocks");
+  const int64_t O = w.size(0), nblk = w.size(1) / L.block_bytes, G = (O + 15) / 16;
+  const int64_t nch = L.kquant ? nblk * 8 : nblk;
+  TORCH_CHECK(w.size(1) == nblk * L.block_bytes, "repack_x16: rows are not whole blocks");
   auto out = torch::zeros({G, nch, L.chunk_bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t grp = lo; grp < hi; ++grp)
-      for (int64_t g = 0; g < nch; ++g) {
-        uint8_t* c = dst + (grp * nch + g) * L.chunk_bytes;
-        for (int r = 0; r < 16 && grp * 16 + r < O; ++r) {
-          const uint8_t* b = src + (grp * 16 + r) * w.size(1) + g * L.block_bytes;
-          std::memcpy(c + 2 * r, b, 2);                       // d
-          if (L.has_min) std::memcpy(c + 32 + 2 * r, b + 2, 2);  // m
-          const uint8_t* q = b + (L.has_min ? 4 : 2);
-          const int64_t nbytes = L.is_q8 ? 32 : 16;
-          for (int64_t j = 0; j < nbytes; ++j) c[L.quant_at + (j / 4) * 64 + 4 * r + j % 4] = q[j];
+      for (int r = 0; r < 16 && grp * 16 + r < O; ++r) {
+        const uint8_t* row = src + (grp * 16 + r) * w.size(1);
+        for (int64_t g = 0; g < nch; ++g) {
+          uint8_t* c = const_cast<uint8_t*>(chunk_ptr(dst, L, nch, grp, g));
+          uint8_t q[16];  // this chunk's nibble bytes as Q4_0 orders them (low: weight j, high: j + 16)
+          if (L.kquant) {
+            const uint8_t* b = row + (g / 8) * L.block_bytes;
+            const int sub = static_cast<int>(g % 8);
+            if (sub == 0) {
+              std::memcpy(c - 64 + 2 * r, b, 2);       // d
+              std::memcpy(c - 64 + 32 + 2 * r, b + 2, 2);  // dmin
+            }
+            float sc, mn;
+            ggml::scale_min_k4(b + 4, sub, &sc, &mn);
+            c[r] = static_cast<uint8_t>(sc);
+            c[16 + r] = static_cast<uint8_t>(mn);
+            uint8_t w32[32];
+            ggml::Q4_K::quants(b, sub, w32);
+            for (int j = 0; j < 16; ++j) q[j] = static_cast<uint8_t>(w32[j] | (w32[j + 16] << 4));
+          } else {
+            const uint8_t* b = row + g * L.block_bytes;
+            std::memcpy(c + 2 * r, b, 2);                          // d
+            if (L.has_min) std::memcpy(c + 32 + 2 * r, b + 2, 2);  // m
+            const uint8_t* qs = b + (L.has_min ? 4 : 2);
+            if (L.is_q8) {
+              for (int64_t j = 0; j < 32; ++j) c[L.quant_at + (j / 4) * 64 + 4 * r + j % 4] = qs[j];
+              continue;
+            }
+            std::memcpy(q, qs, 16);
+          }
+          for (int64_t j = 0; j < 16; ++j) c[L.quant_at + (j / 4) * 64 + 4 * r + j % 4] = q[j];
         }
       }
   });
@@ -132,9 +179,9 @@ torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows,
       const int64_t r = all ? i : ip[i], grp = r / 16;
       const int lane = static_cast<int>(r % 16);
       for (int64_t g = 0; g < nch; ++g) {
-        const uint8_t* c = wp + (grp * nch + g) * L.chunk_bytes;
-        const float d = fp16_at(c + 2 * lane);
-        const float m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * d;
+        const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
+        float d, m;
+        chunk_scale(c, L, g, lane, &d, &m);
         for (int k = 0; k < 32; ++k) op[i * K + 32 * g + k] = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
       }
     }
@@ -151,18 +198,29 @@ namespace {
 template <int TYPE, int T>
 void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const X16Act& a,
                 int64_t t0, const float* bias, float* y, int64_t O) {
-  constexpr bool kMin = TYPE == 3, kQ8 = TYPE == 8;
-  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : 544, QAT = kMin ? 64 : 32;
+  constexpr bool kQK = TYPE == 12, kMin = TYPE == 3 || kQK, kQ8 = TYPE == 8;
+  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : TYPE == 8 ? 544 : 296, QAT = TYPE == 3 ? 64 : 32;
   const __m512i m4 = _mm512_set1_epi32(0x000f000f);
   const int64_t K = a.K;
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
     __m512 acc[T], off[T];
     for (int t = 0; t < T; ++t) acc[t] = off[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nch; ++g) {
-      const uint8_t* c = wp + (grp * nch + g) * CB;
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-      __m512 mv = _mm512_setzero_ps();
-      if constexpr (kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
+      const uint8_t* c;
+      __m512 dv, mv = _mm512_setzero_ps();
+      if constexpr (kQK) {  // d * scale, -(dmin * min) per row, from the superblock header and the chunk's bytes
+        c = wp + grp * nch * CB + (g / 8) * kQ4KSuper + 64 + (g % 8) * 288;
+        const uint8_t* hdr = c - 64 - (g % 8) * 288;
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+        const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
+        dv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr))), sc);
+        mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                           _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + 32))), mn));
+      } else {
+        c = wp + (grp * nch + g) * CB;
+        dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+        if constexpr (kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
+      }
       // w[j]: int16 pairs of weights; the activation pair each needs is int32 p[j] of the reordered row
       // chunk (Q8: j in order; Q4: j = 4t + {0, 1} take 2t + {0, 1}, 4t + {2, 3} take 8 + 2t + {0, 1})
       __m512i w[16];
@@ -240,6 +298,7 @@ void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a
   if (type == 2) dot_all<2>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 3) dot_all<3>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 8) dot_all<8>(wp, a.nch, rows, a, M, bias, y, O);
+  if (type == 12) dot_all<12>(wp, a.nch, rows, a, M, bias, y, O);
 #else
   (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O;
 #endif
@@ -264,10 +323,10 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, in
         for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * bf16::NR * 2, _mm512_setzero_si512());
         continue;
       }
-      const uint8_t* c = wp + (grp * nch + g) * L.chunk_bytes;
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-      const __m512 mv = L.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)))
-                                  : L.is_q8 ? _mm512_setzero_ps() : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f));
+      const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
+      alignas(64) float ds[16], ms[16];
+      for (int lane = 0; lane < 16; ++lane) chunk_scale(c, L, g, lane, ds + lane, ms + lane);
+      const __m512 dv = _mm512_load_ps(ds), mv = _mm512_load_ps(ms);
       __m512 wk[2];
       for (int k = 0; k < 32; ++k) {
         __m512i q;
@@ -295,9 +354,9 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, in
         for (int k = 0; k < 32; ++k) {
           float v = 0.f;
           if (grp < G) {
-            const uint8_t* c = wp + (grp * nch + g) * L.chunk_bytes;
-            const float d = fp16_at(c + 2 * lane);
-            const float m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * d;
+            const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
+            float d, m;
+            chunk_scale(c, L, g, lane, &d, &m);
             v = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
           }
           panel[(((32 * g + k) / 2) * bf16::NR + 16 * gi + lane) * 2 + k % 2] = bf16::to_bf16(v);
