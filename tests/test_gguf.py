@@ -43,10 +43,10 @@ def test_each_format_runs_in_place_and_tracks_its_dequantized_reference(tmp_path
 
 
 def test_quantized_weights_are_the_files_pages_not_a_copy(tmp_path) -> None:  # noqa: ANN001
-    """Q5_K / Q6_K / Q5_0 / Q5_1 run on the mapped file itself; Q4_0 / Q4_1 / Q8_0 / Q4_K are repacked once
-    at load where the CPU has the 16-row-group kernel (same bytes per weight, Q4_K +3%), and then their
-    file pages are dropped."""
-    path = write_random_gguf(tmp_path / "q6k.gguf", SHAPES["tiny"], "Q6_K", std=STD)
+    """Q5_K / Q5_0 / Q5_1 run on the mapped file itself; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K are repacked once
+    at load where the CPU has the 16-row-group kernel (Q4_0 / Q4_1 / Q8_0 the same bytes per weight),
+    and then their file pages are dropped."""
+    path = write_random_gguf(tmp_path / "q5k.gguf", SHAPES["tiny"], "Q5_K", std=STD)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
     model = llm.engine.runner.model
     mapped = model.gguf.reader.data

@@ -1,18 +1,21 @@
-// Q4_0, Q4_1, Q8_0 and Q4_K weights repacked once at load into groups of 16 output rows, the layout that
-// lets AVX-512 VNNI keep one output row per 32-bit lane (the idea of ggml's repacked Q4_0x8 gemv):
-// per group and 32-weight chunk g (the rows' blocks g, side by side; a last group's extra rows zero):
-//   [16 x fp16 d] ([16 x fp16 m] for Q4_1) then the quants as 64-byte vectors, byte 4r + i of vector t =
-//   Q4_*: nibble byte 4t + i of row r's block (low nibble: weight 4t + i, high: weight 16 + 4t + i), t < 4;
-//   Q8_0: weight 4t + i of row r, t < 8.
-// Q4_K: the same nibble vectors per chunk, its 6-bit scale and min as bytes, d and dmin in a header per
-// superblock (see kQ4KSuper). Same bytes per weight as the file (Q4_0 18 B / 32, Q4_1 20, Q8_0 34),
-// Q4_K +3% (148 B / 256). Decode (M < 16 rows of x): per
-// chunk 8 vpdpbusd against broadcasts of 4 activation bytes give the 16 rows' integer dots in one
-// register; the offsets (-8 * sum(qa) for Q4_0, -128 * sum(qa) for Q8_0 made unsigned) seed the
-// accumulator; one fma applies d * da per row. About 0.07 instructions per weight at one row of x,
-// against 0.44 for the generic chunk-pair loop over the file's layout (linear_ggml.cpp).
+// Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights repacked once at load into groups of 16 output rows, the
+// layout that lets AVX-512 VNNI keep one output row per 32-bit lane (the idea of ggml's repacked
+// Q4_0x8 gemv). Per group and 32-weight chunk g (the rows' blocks side by side; a last group's extra
+// rows zero): the rows' scales, then the quants as 64-byte vectors, byte 4r + i of vector t being
+//   Q4_0 / Q4_1 / Q4_K: nibble byte 4t + i of row r (low nibble: weight 4t + i, high: 16 + 4t + i), t < 4;
+//   Q8_0 / Q6_K: weight 4t + i of row r as a byte, t < 8.
+// Scales: Q4_0 [16 x fp16 d], Q4_1 + [16 x fp16 m], Q8_0 [16 x fp16 d]; K-quants keep d (and dmin) in a
+// header per 256-weight superblock and their sub-block scales as bytes in each chunk (kQ4KChunk,
+// kQ6KChunk). Bytes per weight: as the file for Q4_0 / Q4_1 / Q8_0, Q4_K +3%, Q6_K +30% (6-bit quants
+// as bytes).
+// Decode (M < 16 rows of x): activations as int16 per 32 (X16Act); per chunk 16 vpdpwssd, each on a
+// vector of int16 weight pairs (even / odd bytes of the 4-byte groups) and a broadcast activation
+// pair, give the 16 rows' integer dots; offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K)
+// seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da.
+// Weights are streamed once; about 0.1 instructions per weight at one row of x.
 // Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma.
-// ISA: AVX512F + BW + VNNI only (x16_supported() is false elsewhere: the file's layout is used).
+// ISA: AVX512F + BW + VNNI (the panels' fast path: + AVX512-BF16); x16_supported() is false elsewhere
+// and the file's layout is used (linear_ggml.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,33 +32,44 @@ inline float fp16_at(const uint8_t* p) { return ggml::fp16(p); }
 
 struct Layout {
   int64_t block_bytes, quant_at, chunk_bytes;  // a block in the file; a group chunk: its quants' offset, its stride
-  bool has_min, is_q8, kquant;
+  bool has_min, is_q8, kquant, q6;
 };
 
 Layout layout(int64_t type) {
   switch (type) {
-    case 2: return {18, 32, 288, false, false, false};  // Q4_0
-    case 3: return {20, 64, 320, true, false, false};   // Q4_1
-    case 8: return {34, 32, 544, false, true, false};   // Q8_0
-    case 12: return {144, 32, 296, true, false, true};  // Q4_K: 2368 B a superblock of 8 chunks (296 each on average)
-    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0, Q4_K)");
+    case 2: return {18, 32, 288, false, false, false, false};  // Q4_0
+    case 3: return {20, 64, 320, true, false, false, false};   // Q4_1
+    case 8: return {34, 32, 544, false, true, false, false};   // Q8_0
+    case 12: return {144, 32, 296, true, false, true, false};  // Q4_K: 2368 B a superblock of 8 chunks (296 on average)
+    case 14: return {210, 32, 548, false, false, true, true};  // Q6_K: 4384 B a superblock (548 on average)
+    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
   }
   return {};
 }
 
 // Q4_K: per group and 256-weight superblock, a 64 B header [16 x fp16 d][16 x fp16 dmin] and 8 chunks of
-// 288 B [16 x u8 scale][16 x u8 min][256 B nibbles]: w = d * scale * q - dmin * min, exactly as ggml
-constexpr int64_t kQ4KSuper = 64 + 8 * 288;
+// 288 B [16 x u8 scale][16 x u8 min][256 B nibbles]: w = d * scale * q - dmin * min, exactly as ggml.
+// Q6_K: a 32 B header [16 x fp16 d] and 8 chunks of 544 B [16 x int8 scale of weights 0-15][16 x int8
+// scale of 16-31][8 x 64 B of quants 0..63 as bytes]: w = d * scale * (q - 32) (+30% bytes: 6 bits in 8).
+constexpr int64_t kQ4KChunk = 288, kQ4KHeader = 64, kQ6KChunk = 544, kQ6KHeader = 32;
+
+inline int64_t kchunk(const Layout& L) { return L.q6 ? kQ6KChunk : kQ4KChunk; }
+inline int64_t kheader(const Layout& L) { return L.q6 ? kQ6KHeader : kQ4KHeader; }
 
 inline const uint8_t* chunk_ptr(const uint8_t* wp, const Layout& L, int64_t nch, int64_t grp, int64_t g) {
   if (!L.kquant) return wp + (grp * nch + g) * L.chunk_bytes;
-  return wp + grp * nch * L.chunk_bytes + (g / 8) * kQ4KSuper + 64 + (g % 8) * 288;
+  return wp + grp * nch * L.chunk_bytes + (g / 8) * (kheader(L) + 8 * kchunk(L)) + kheader(L) + (g % 8) * kchunk(L);
 }
 
-// the chunk's scale d and offset m of row `lane`: w = d * q + m
-inline void chunk_scale(const uint8_t* c, const Layout& L, int64_t g, int lane, float* d, float* m) {
+// scale d and offset m of row `lane`'s weights in half h (0: weights 0-15, 1: 16-31) of a chunk: w = d q + m
+inline void chunk_scale(const uint8_t* c, const Layout& L, int64_t g, int lane, int h, float* d, float* m) {
   if (L.kquant) {
-    const uint8_t* hdr = c - 64 - (g % 8) * 288;
+    const uint8_t* hdr = c - kheader(L) - (g % 8) * kchunk(L);
+    if (L.q6) {
+      *d = fp16_at(hdr + 2 * lane) * static_cast<float>(static_cast<int8_t>(c[16 * h + lane]));
+      *m = -32.f * *d;
+      return;
+    }
     *d = fp16_at(hdr + 2 * lane) * static_cast<float>(c[lane]);
     *m = -(fp16_at(hdr + 32 + 2 * lane) * static_cast<float>(c[16 + lane]));
     return;
@@ -64,9 +78,10 @@ inline void chunk_scale(const uint8_t* c, const Layout& L, int64_t g, int lane, 
   *m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * *d;
 }
 
-// weight k (0..31) of row `lane` in a group chunk, as its quant (Q4: 0..15; Q8: -128..127)
+// weight k (0..31) of row `lane` in a group chunk, as its quant (Q4: 0..15; Q6: 0..63; Q8: -128..127)
 inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
   if (L.is_q8) return static_cast<int8_t>(qs[(k / 4) * 64 + 4 * lane + k % 4]);
+  if (L.q6) return qs[(k / 4) * 64 + 4 * lane + k % 4];
   const int kk = k % 16;
   const uint8_t b = qs[(kk / 4) * 64 + 4 * lane + kk % 4];
   return k < 16 ? (b & 0x0f) : (b >> 4);
@@ -76,7 +91,7 @@ inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
 
 bool x16_supported(int64_t type) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  return type == 2 || type == 3 || type == 8 || type == 12;
+  return type == 2 || type == 3 || type == 8 || type == 12 || type == 14;
 #else
   (void)type;
   return false;
@@ -99,6 +114,17 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t type) {
         for (int64_t g = 0; g < nch; ++g) {
           uint8_t* c = const_cast<uint8_t*>(chunk_ptr(dst, L, nch, grp, g));
           uint8_t q[16];  // this chunk's nibble bytes as Q4_0 orders them (low: weight j, high: j + 16)
+          if (L.q6) {
+            const uint8_t* b = row + (g / 8) * L.block_bytes;
+            const int sub = static_cast<int>(g % 8);
+            if (sub == 0) std::memcpy(c - kQ6KHeader + 2 * r, b + 208, 2);  // d
+            c[r] = b[192 + 2 * sub];           // scale of weights 0-15
+            c[16 + r] = b[192 + 2 * sub + 1];  // of 16-31
+            uint8_t w32[32];
+            ggml::Q6_K::quants(b, sub, w32);
+            for (int64_t j = 0; j < 32; ++j) c[L.quant_at + (j / 4) * 64 + 4 * r + j % 4] = w32[j];
+            continue;
+          }
           if (L.kquant) {
             const uint8_t* b = row + (g / 8) * L.block_bytes;
             const int sub = static_cast<int>(g % 8);
@@ -139,6 +165,7 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
   a.d.resize(M * a.nch);
   a.s.resize(M * a.nch);
   a.sum.resize(M * a.nch);
+  a.sum16.resize(M * a.nch * 2);
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
@@ -147,12 +174,15 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xs[i]));
         const float d = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
         int16_t* q = a.q.data() + m * K + 32 * g;
-        int32_t sum = 0;
+        int32_t sum = 0, half[2] = {0, 0};
         for (int i = 0; i < 32; ++i) {
           const int16_t v = static_cast<int16_t>(std::nearbyint(xs[i] * id));
           q[(i & ~3) + (i & 1) * 2 + (i & 2) / 2] = v;  // in 4s: [0, 2, 1, 3]
           sum += v;
+          half[i / 16] += v;
         }
+        a.sum16[(m * a.nch + g) * 2] = half[0];
+        a.sum16[(m * a.nch + g) * 2 + 1] = half[1];
         a.d[m * a.nch + g] = d;
         a.sum[m * a.nch + g] = sum;
         a.s[m * a.nch + g] = d * static_cast<float>(sum);
@@ -180,9 +210,11 @@ torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows,
       const int lane = static_cast<int>(r % 16);
       for (int64_t g = 0; g < nch; ++g) {
         const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
-        float d, m;
-        chunk_scale(c, L, g, lane, &d, &m);
-        for (int k = 0; k < 32; ++k) op[i * K + 32 * g + k] = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
+        for (int k = 0; k < 32; ++k) {
+          float d, m;
+          chunk_scale(c, L, g, lane, k / 16, &d, &m);
+          op[i * K + 32 * g + k] = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
+        }
       }
     }
   });
@@ -198,8 +230,9 @@ namespace {
 template <int TYPE, int T>
 void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const X16Act& a,
                 int64_t t0, const float* bias, float* y, int64_t O) {
-  constexpr bool kQK = TYPE == 12, kMin = TYPE == 3 || kQK, kQ8 = TYPE == 8;
-  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : TYPE == 8 ? 544 : 296, QAT = TYPE == 3 ? 64 : 32;
+  constexpr bool kQK = TYPE == 12, kQ6 = TYPE == 14, kMin = TYPE == 3 || kQK, kQ8 = TYPE == 8;
+  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : TYPE == 8 ? 544 : TYPE == 12 ? 296 : 548;
+  constexpr int64_t QAT = TYPE == 3 ? 64 : 32;
   const __m512i m4 = _mm512_set1_epi32(0x000f000f);
   const int64_t K = a.K;
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
@@ -207,10 +240,15 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
     for (int t = 0; t < T; ++t) acc[t] = off[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < nch; ++g) {
       const uint8_t* c;
-      __m512 dv, mv = _mm512_setzero_ps();
-      if constexpr (kQK) {  // d * scale, -(dmin * min) per row, from the superblock header and the chunk's bytes
-        c = wp + grp * nch * CB + (g / 8) * kQ4KSuper + 64 + (g % 8) * 288;
-        const uint8_t* hdr = c - 64 - (g % 8) * 288;
+      __m512 dv, mv = _mm512_setzero_ps(), dv_hi = _mm512_setzero_ps();
+      if constexpr (kQ6) {  // d * scale for weights 0-15 (dv) and 16-31 (dv_hi)
+        c = wp + grp * nch * CB + (g / 8) * (kQ6KHeader + 8 * kQ6KChunk) + kQ6KHeader + (g % 8) * kQ6KChunk;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c - kQ6KHeader - (g % 8) * kQ6KChunk)));
+        dv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)))));
+        dv_hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16)))));
+      } else if constexpr (kQK) {  // d * scale, -(dmin * min) per row, from the superblock header and the chunk's bytes
+        c = wp + grp * nch * CB + (g / 8) * (kQ4KHeader + 8 * kQ4KChunk) + kQ4KHeader + (g % 8) * kQ4KChunk;
+        const uint8_t* hdr = c - kQ4KHeader - (g % 8) * kQ4KChunk;
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
         const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16))));
         dv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr))), sc);
@@ -224,7 +262,13 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
       // w[j]: int16 pairs of weights; the activation pair each needs is int32 p[j] of the reordered row
       // chunk (Q8: j in order; Q4: j = 4t + {0, 1} take 2t + {0, 1}, 4t + {2, 3} take 8 + 2t + {0, 1})
       __m512i w[16];
-      if constexpr (kQ8) {
+      if constexpr (kQ6) {  // bytes 0..63: even and odd bytes as int16 without sign extension
+        for (int t = 0; t < 8; ++t) {
+          const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
+          w[2 * t] = _mm512_and_si512(raw, _mm512_set1_epi32(0x00ff00ff));
+          w[2 * t + 1] = _mm512_srli_epi16(raw, 8);
+        }
+      } else if constexpr (kQ8) {
         for (int t = 0; t < 8; ++t) {
           const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
           w[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);  // bytes 0, 2: weights 4t + {0, 2}
@@ -243,6 +287,20 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
       for (int t = 0; t < T; ++t) {
         const int64_t r = t0 + t;
         const int32_t* p = reinterpret_cast<const int32_t*>(a.q.data() + r * K + 32 * g);  // 16 pairs
+        if constexpr (kQ6) {  // two halves with their own scales: q - 32 through each half's sum of activations
+          __m512i lo0 = _mm512_set1_epi32(-32 * a.sum16[(r * a.nch + g) * 2]), lo1 = _mm512_setzero_si512();
+          __m512i hi0 = _mm512_set1_epi32(-32 * a.sum16[(r * a.nch + g) * 2 + 1]), hi1 = _mm512_setzero_si512();
+          for (int j = 0; j < 8; j += 2) {
+            lo0 = _mm512_dpwssd_epi32(lo0, w[j], _mm512_set1_epi32(p[j]));
+            lo1 = _mm512_dpwssd_epi32(lo1, w[j + 1], _mm512_set1_epi32(p[j + 1]));
+            hi0 = _mm512_dpwssd_epi32(hi0, w[8 + j], _mm512_set1_epi32(p[8 + j]));
+            hi1 = _mm512_dpwssd_epi32(hi1, w[9 + j], _mm512_set1_epi32(p[9 + j]));
+          }
+          const __m512 da = _mm512_set1_ps(a.d[r * a.nch + g]);
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo0, lo1)), _mm512_mul_ps(dv, da), acc[t]);
+          acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(hi0, hi1)), _mm512_mul_ps(dv_hi, da), acc[t]);
+          continue;
+        }
         const int32_t base = kMin || kQ8 ? 0 : -8 * a.sum[r * a.nch + g];
         constexpr int NC = 4;  // independent chains: vpdpwssd's latency, not its throughput, bounds one of 16
         __m512i i[NC];
@@ -299,6 +357,7 @@ void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a
   if (type == 3) dot_all<3>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 8) dot_all<8>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 12) dot_all<12>(wp, a.nch, rows, a, M, bias, y, O);
+  if (type == 14) dot_all<14>(wp, a.nch, rows, a, M, bias, y, O);
 #else
   (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O;
 #endif
@@ -324,13 +383,19 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, in
         continue;
       }
       const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
-      alignas(64) float ds[16], ms[16];
-      for (int lane = 0; lane < 16; ++lane) chunk_scale(c, L, g, lane, ds + lane, ms + lane);
-      const __m512 dv = _mm512_load_ps(ds), mv = _mm512_load_ps(ms);
+      alignas(64) float ds[2][16], ms[2][16];  // per half of the chunk (they differ for Q6_K only)
+      for (int h = 0; h < 2; ++h)
+        for (int lane = 0; lane < 16; ++lane) chunk_scale(c, L, g, lane, h, ds[h] + lane, ms[h] + lane);
+      const __m512 dvh[2] = {_mm512_load_ps(ds[0]), _mm512_load_ps(ds[1])};
+      const __m512 mvh[2] = {_mm512_load_ps(ms[0]), _mm512_load_ps(ms[1])};
       __m512 wk[2];
       for (int k = 0; k < 32; ++k) {
+        const __m512 dv = dvh[k / 16], mv = mvh[k / 16];
         __m512i q;
-        if (L.is_q8) {
+        if (L.q6) {
+          const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (k / 4));
+          q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xff));
+        } else if (L.is_q8) {
           const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (k / 4));
           q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * (k % 4)), 24);  // sign-extend byte k % 4
         } else {
@@ -356,7 +421,7 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, in
           if (grp < G) {
             const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
             float d, m;
-            chunk_scale(c, L, g, lane, &d, &m);
+            chunk_scale(c, L, g, lane, k / 16, &d, &m);
             v = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
           }
           panel[(((32 * g + k) / 2) * bf16::NR + 16 * gi + lane) * 2 + k % 2] = bf16::to_bf16(v);

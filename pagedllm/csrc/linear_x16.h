@@ -1,4 +1,4 @@
-// Q4_0 / Q4_1 / Q8_0 / Q4_K repacked into 16-row groups for AVX-512 VNNI (linear_x16.cpp), used by
+// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked into 16-row groups for AVX-512 VNNI (linear_x16.cpp), used by
 // linear_ggml.cpp for those types where x16_supported() says the CPU runs it.
 #pragma once
 #include <torch/extension.h>
@@ -15,7 +15,8 @@ struct X16Act {
   int64_t K = 0, nch = 0;
   std::vector<int16_t> q;    // [M, K], reordered in 4s
   std::vector<float> d, s;   // [M, nch]: scale; d * sum(q)
-  std::vector<int32_t> sum;  // [M, nch]: sum(q)
+  std::vector<int32_t> sum;    // [M, nch]: sum(q)
+  std::vector<int32_t> sum16;  // [M, nch, 2]: sum(q) of each 16 (Q6_K's halves have their own scales)
 };
 X16Act x16_quantize(const float* x, int64_t M, int64_t K);
 
