@@ -196,7 +196,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     ids = ref.get_tokenizer().encode(text)
     rows = []
     for fmt in args.formats.split(","):
-        kw = {"dtype": fmt} if fmt in DTYPES else {"dtype": "float32", "quantization": None if fmt == "native" else fmt}
+        kw = ({"dtype": fmt, "quantization": "none"} if fmt in DTYPES  # a GGUF dequantized to that dtype
+              else {"dtype": "float32", "quantization": None if fmt == "native" else fmt})
         llm = LLM(**kw, **common)
         r = compare_to_reference(ref.engine, llm.engine, ids, args.chunk)
         model = llm.engine.runner.model
