@@ -84,11 +84,14 @@ def _resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     return picked
 
 
-def lm_head_format(quantization: str) -> str:
-    """The output projection's format when quantizing at load: at least 8 bits (4-bit logits cost far more
+def _quantize_linear(model: LlamaForCausalLM, ops: Ops, lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None,
+                     quantization: str) -> None:
+    """Quantize one linear at load. The output projection gets at least 8 bits (4-bit logits cost far more
     than 4-bit layers: q4_0 everywhere measured KL 0.99 on the default model); llama.cpp's quantizer
     likewise keeps output.weight at Q6_K or better."""
-    return "q8_0" if quantization in ("q4_0", "q4_1", "q5_0", "q5_1") else quantization
+    if lin is model.lm_head and quantization in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        quantization = "q8_0"
+    model.set_packed(lin, quantize(ops, w, bias, quantization))
 
 
 def _kernels_for(tdtype: torch.dtype) -> Ops | None:
@@ -131,8 +134,8 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         if ops is None:
             raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
         for lin in model._linears():
-            model.set_packed(lin, quantize(ops, lin.weight.data, lin.bias.data if lin.bias is not None else None,
-                                           lm_head_format(quantization) if lin is model.lm_head else quantization))
+            _quantize_linear(model, ops, lin, lin.weight.data, lin.bias.data if lin.bias is not None else None,
+                             quantization)
     _use_kernels(model, ops, tdtype)
     eos = raw.get("eos_token_id")
     gen = path / "generation_config.json"
@@ -342,8 +345,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) 
         if bias is not None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
         if quantization not in (None, "none"):
-            model.set_packed(lin, quantize(ops, w, bias, lm_head_format(quantization) if lin is model.lm_head
-                                           else quantization))
+            _quantize_linear(model, ops, lin, w, bias, quantization)
 
     def param(module: nn.Module, name: str) -> None:
         module.weight = nn.Parameter(f.dense(name), requires_grad=False)
@@ -361,7 +363,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) 
         if model.embed_packed is not None:
             model.lm_head.packed = model.embed_packed
         elif quantization not in (None, "none"):
-            model.lm_head.packed = quantize(ops, model.embed_tokens.weight, None, lm_head_format(quantization))
+            _quantize_linear(model, ops, model.lm_head, model.embed_tokens.weight.data, None, quantization)
     else:
         linear(model.lm_head, [("output", "output.weight")], None)
     param(model.norm, "output_norm.weight")

@@ -142,7 +142,7 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
     bias = torch.randn(o)
     plain = ops.linear_ggml(x, [raw], [int(t)], [o], bias, o)
     y = ops.linear_ggml(x, [packed], [int(t) + 1000], [o], bias, o)
-    if m < 16:  # the integer dot runs below 16 rows (linear_ggml.cpp kX16DotRowsMax), else bf16 panels
+    if m < 16:  # the integer dot runs below 16 rows (linear_ggml.cpp kDotRowsMax), else bf16 panels
         exact = quantized_activations(x, 32767) @ ref_w.double().T + bias.double()  # int16 activations
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
         fp32 = x.double() @ ref_w.double().T + bias.double()

@@ -10,11 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..config import cache_dir
-from ..loader import _GGUF_LAYER, _GGUF_NAMES, _unpermute_rows, gguf_cache_key, gguf_hf_config, read_gguf_metadata
+from ..loader import _GGUF_LAYER, _GGUF_NAMES, _GGUFTensors, _unpermute_rows, gguf_cache_key, gguf_hf_config
 from ..tokenizer import Tokenizer
 
 log = logging.getLogger("pagedllm")
@@ -24,18 +23,15 @@ def gguf_to_hf_folder(path: Path) -> Path:
     out = cache_dir() / f"{path.stem}-{gguf_cache_key(path)}"
     if (out / "config.json").exists():
         return out
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
     from safetensors.torch import save_file
 
     log.info("writing %s as an fp32 HF folder for HF-only peers: %s", path, out)
-    reader = GGUFReader(str(path))
-    meta = read_gguf_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = gguf_hf_config(meta, set(tensors))
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    f = _GGUFTensors(path)  # the engine's own reader: dense fp32 in HF's shape, q/k rows unpermuted
+    meta = f.meta
+    cfg = gguf_hf_config(meta, set(f.by_name))
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     sd: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
+    for name, t in f.by_name.items():
         if name.startswith("blk."):
             _, i, kind, suffix = name.split(".", 3)
             if kind not in _GGUF_LAYER:
@@ -45,11 +41,8 @@ def gguf_to_hf_folder(path: Path) -> Path:
             kind, hf = "", _GGUF_NAMES[name]
         else:
             continue
-        w = dequantize(t.data, t.tensor_type).astype(np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else w.reshape(-1)
-        if cfg["model_type"] == "llama" and kind in ("attn_q", "attn_k"):
-            w = w[_unpermute_rows(w.shape[0], heads if kind == "attn_q" else kv_heads)]
-        sd[hf] = torch.from_numpy(np.ascontiguousarray(w))
+        unpermute = cfg["model_type"] == "llama" and kind in heads and len(t.shape) > 1
+        sd[hf] = f.dense(name, _unpermute_rows(int(t.shape[1]), heads[kind]) if unpermute else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:

@@ -10,6 +10,8 @@
 //   quants512(b0, c0, b1, c1): chunks g and g + 1 (c0 of block b0, c1 of b1) in one AVX-512 register.
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -39,6 +41,15 @@ inline float fp16(const uint8_t* p) {
   std::memcpy(&f, &u, 4);
   return f;
 #endif
+}
+
+// The scale of a 32-value activation block quantized to +-levels (127: int8, 32767: int16), as ggml
+// quantizes its vec_dot_type: d = max|x| / levels; *inv = levels / max|x| (0 for an all-zero block)
+inline float block_scale(const float* x, float levels, float* inv) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  *inv = amax > 0.f ? levels / amax : 0.f;
+  return amax / levels;
 }
 
 #if defined(__AVX2__)

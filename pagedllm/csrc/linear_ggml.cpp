@@ -33,8 +33,7 @@
 namespace {
 
 // rows of x below which the integer dot runs, else bf16 panels; measured with docs/bench/ggml_microbench.py
-constexpr int64_t kDotRowsMax = 16;      // the file's layout (chunk-pair loop)
-constexpr int64_t kX16DotRowsMax = 16;   // repacked 16-row groups, int16 activations (at 64 rows the panels win for K = 4096)
+constexpr int64_t kDotRowsMax = 16;  // both layouts (repacked groups: at 64 rows the panels win for K = 4096)
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -68,9 +67,8 @@ QAct quantize_rows(const float* x, int64_t M, int64_t K) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
         const float* xs = x + m * K + 32 * g;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        float id;
+        const float d = ggml::block_scale(xs, 127.f, &id);
         int8_t* q = a.q.data() + m * K + 32 * g;
         int s0 = 0, s1 = 0;
         for (int i = 0; i < 32; ++i) {
@@ -450,16 +448,15 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   // activations prepared once for all parts: int8 per 32 for the dot, bf16 pairs for the panel path
   QAct a{};
   std::vector<uint32_t> xb;
-  auto uses_dot = [&](size_t i) { return M < (types[i] >= kX16 ? kX16DotRowsMax : kDotRowsMax); };
-  bool any_dot = false, any_x16_dot = false, any_panel = false;
-  for (size_t i = 0; i < ws.size(); ++i) (uses_dot(i) ? (types[i] >= kX16 ? any_x16_dot : any_dot) : any_panel) = true;
-  if (K % 32 == 0 && any_dot) a = quantize_rows(x.data_ptr<float>(), M, K);
+  const bool dot = M < kDotRowsMax;
+  bool any_plain = false, any_x16 = false;
+  for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
+  if (K % 32 == 0 && dot && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K);
   X16Act a16;
-  if (K % 32 == 0 && any_x16_dot) a16 = x16_quantize(x.data_ptr<float>(), M, K);
-  if (any_panel) xb = bf16::pairs(x.data_ptr<float>(), M, K);
+  if (K % 32 == 0 && dot && any_x16) a16 = x16_quantize(x.data_ptr<float>(), M, K);
+  if (!dot) xb = bf16::pairs(x.data_ptr<float>(), M, K);
   int64_t col0 = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
-    const bool dot = uses_dot(i);
     if (types[i] >= kX16) {
       const int64_t t = types[i] - kX16;
       TORCH_CHECK(x16_supported(t) && K % 32 == 0, "linear_ggml: repacked type ", t, " cannot run here");
@@ -469,7 +466,7 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
         x16_dot(t, ws[i], rows[i], a16, M, bc, yc, O);
       } else {
         panel_sweep(&xb, M, K, rows[i], bc, yc, O, [&](int64_t p, uint16_t* panel, std::vector<float>&) {
-          x16_panel(t, ws[i], rows[i], K, p, panel);
+          x16_panel(t, ws[i], K, p, panel);
         });
       }
     } else {

@@ -170,9 +170,8 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
         const float* xs = x + m * K + 32 * g;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xs[i]));
-        const float d = amax / 32767.f, id = amax > 0.f ? 32767.f / amax : 0.f;
+        float id;
+        const float d = ggml::block_scale(xs, 32767.f, &id);
         int16_t* q = a.q.data() + m * K + 32 * g;
         int32_t sum = 0, half[2] = {0, 0};
         for (int i = 0; i < 32; ++i) {
@@ -363,12 +362,12 @@ void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a
 #endif
 }
 
-void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, int64_t p, uint16_t* panel) {
+void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint16_t* panel) {
   const Layout L = layout(type);
   const int64_t nch = w.size(1), G = w.size(0);
   TORCH_CHECK(K == nch * 32, "linear_ggml: x has ", K, " columns, the repacked weight ", nch * 32);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  (void)rows;  // padded rows are zero blocks: they dequantize to 0
+  // a last group's padded rows are zero blocks: they dequantize to 0
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   const __m512i low4 = _mm512_set1_epi32(0x0f);
   alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,

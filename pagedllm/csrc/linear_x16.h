@@ -23,7 +23,7 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K);
 // y[:, n] for the part's `rows` outputs (y, bias already at the part's first column): the integer dot
 void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
              float* y, int64_t O);
-// one 48-row bf16 panel [K2, 48, 2] (3 groups of 16 rows) for the prefill path; rows past `rows` zero
-void x16_panel(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, int64_t p, uint16_t* panel);
+// one 48-row bf16 panel [K2, 48, 2] (3 groups of 16 rows) for the prefill path; padded rows zero
+void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint16_t* panel);
 // fp32 rows [R, K] (ids: which rows; all when empty)
 torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, const torch::Tensor& ids);
