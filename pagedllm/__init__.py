@@ -5,10 +5,10 @@ from .engine import EngineStats, LLMEngine
 from .errors import ConfigError, InvalidRequestError, ModelLoadError
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "EngineStats", "SamplingParams", "RequestOutput",
+    "LLM", "LLMEngine", "EngineConfig", "EngineStats", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
     "CompletionOutput", "Logprob", "InvalidRequestError", "ConfigError", "ModelLoadError",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,8 +20,9 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler
+from .structured_outputs import StructuredOutputs
 from .tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("pagedllm")
@@ -119,13 +121,15 @@ class LLMEngine:
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark)
         self.runner = ModelRunner(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
-        self.sampler = Sampler(config.seed, self.runner.argmax)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         eos = mc.eos_token_id
         self.eos_token_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids,
+                                            max_threads=torch.get_num_threads()) if self.tokenizer else None
+        self.sampler = Sampler(config.seed, self.runner.argmax, self.structured)
         log.info("engine ready in %.1f s", time.monotonic() - t0)
 
     # ---- setup helpers -------------------------------------------------------------------
@@ -179,6 +183,13 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         return {"prompt": text, "prompt_token_ids": ids}
 
+    def compile_grammar(self, spec: StructuredOutputsParams) -> Any:
+        """Compile (and cache) a structured-outputs spec; safe from any thread, so a server compiles
+        before add_request and the engine loop finds it cached. Raises InvalidRequestError."""
+        if self.structured is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this model has none")
+        return self.structured.compile(spec)
+
     def _check_ids(self, ids: list) -> list[int]:
         if not ids:
             raise InvalidRequestError("prompt is empty (no tokens)")
@@ -207,6 +218,10 @@ class LLMEngine:
             p = params if params.n == 1 else params.clone_for_child(i)
             seqs.append(Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, p,
                                 priority=priority, cache_salt=cache_salt, group_id=request_id, index=i))
+        if params.structured_outputs is not None:
+            compiled = self.compile_grammar(params.structured_outputs)
+            for seq in seqs:
+                seq.grammar = self.structured.matcher(compiled)  # type: ignore[union-attr]
         leader = seqs[0]
         leader.pending_forks = seqs[1:]
         self.scheduler.add_request(leader)  # raises if it can never fit; nothing is queued then
@@ -262,6 +277,9 @@ class LLMEngine:
                 rows.append(i)
         samples = self.sampler.sample(res.logits, reqs, rows, self.eos_token_ids)
         by_id = {seq.request_id: s for seq, s in zip(reqs, samples)}
+        for seq, s in zip(reqs, samples):
+            if seq.grammar is not None and not seq.grammar.accept_token(s.token_id):
+                log.warning("request %s: sampled token %d is outside its grammar", seq.request_id, s.token_id)
         self.scheduler.update(sched, {r.request_id: by_id[r.request_id].token_id for r in res.requests})
         for r in res.requests:
             for child in r.pending_forks:
@@ -307,6 +325,8 @@ class LLMEngine:
                     i, st = min(hits)
                     g.texts[seq.index] = text[:i + len(st)] if p.include_stop_str_in_output else text[:i]
                     return self._finish(seq, RequestStatus.FINISHED_STOPPED, st)
+        if seq.grammar is not None and seq.grammar.is_terminated():  # it accepted a stop token where it may end
+            return self._finish(seq, RequestStatus.FINISHED_STOPPED, None)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in self.eos_token_ids:
                 return self._finish(seq, RequestStatus.FINISHED_STOPPED, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .sampling_params import SamplingParams
 
@@ -50,6 +51,7 @@ class Request:
     # sampler state kept across steps
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)
+    grammar: Any = None  # structured outputs: the matcher of this sequence's grammar (structured_outputs.py)
 
     @property
     def num_prompt_tokens(self) -> int:

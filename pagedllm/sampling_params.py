@@ -2,7 +2,68 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output, as vLLM names it: exactly one of a JSON schema (dict or JSON
+    text), a regex, a choice list, an EBNF grammar (GBNF / xgrammar syntax), any JSON object, or a
+    structural tag (xgrammar's JSON form). Compiled by structured_outputs.py."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("json", "structural_tag"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
+            if v is not None and not isinstance(v, (dict, bool)):
+                raise ValueError(f"structured_outputs.{name} must be a JSON object, got {type(v).__name__}")
+            if v is not None:  # canonical text: the compile cache key, and hashable
+                object.__setattr__(self, name, json.dumps(v))  # key order kept: it is the output order
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, Any]:
+        """What the compile cache is keyed on."""
+        return self.kind, getattr(self, self.kind)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StructuredOutputsParams:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
+        return cls(**{k: v for k, v in d.items() if v is not None})
 
 
 @dataclass
@@ -28,6 +89,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # sample only among these (vLLM)
     bad_words: list[str] | None = None  # words never generated (vLLM); the engine tokenizes them
     bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is taken too
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +105,11 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {type(self.structured_outputs).__name__}")
         self._validate()
 
     def _validate(self) -> None:

@@ -20,7 +20,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import EngineConfig
 from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..structured_outputs import validate_json_schema
+from ..tool_calls import (
+    ToolCallStream,
+    check_tools,
+    parse_tool_calls,
+    structural_tag,
+    template_knows_tools,
+    template_messages,
+    tool_calls_message,
+    tool_format_for,
+)
 from .async_engine import AsyncEngine, NewRequest, QueueFullError, RequestStream
 from .protocol import (
     CHAT_NOOPS,
@@ -203,7 +214,21 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
 
-    def sampling(req: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    async def constraint(given: tuple[str, dict] | None) -> StructuredOutputsParams | None:
+        """The request's output constraint, compiled (and cached) in a worker thread: the engine loop
+        keeps stepping meanwhile, and add_request finds the grammar compiled."""
+        if given is None:
+            return None
+        param, spec = given
+        try:
+            so = StructuredOutputsParams.from_dict(spec)
+            await asyncio.to_thread(core().compile_grammar, so)
+        except ValueError as ex:  # InvalidRequestError included: the compiler's message
+            raise APIError(400, str(ex), param=param) from ex
+        return so
+
+    def sampling(req: Any, max_tokens: int | None, logprobs: int | None,
+                 structured: StructuredOutputsParams | None = None) -> SamplingParams:
         try:
             return SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
@@ -212,7 +237,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, structured_outputs=structured)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -334,7 +359,11 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             prompts = [{"prompt_token_ids": x} for x in p]
         else:
             prompts = list(p)
-        params = sampling(req, req.max_tokens, req.logprobs)
+        try:
+            given = req.structured_spec()
+        except ValueError as ex:
+            raise APIError(400, str(ex), param="response_format") from ex
+        params = sampling(req, req.max_tokens, req.logprobs, await constraint(given))
         streams = await submit(prompts, params, req, "cmpl")
         created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], model_name()
         n = params.n
@@ -396,11 +425,42 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    def render_chat(e, req: ChatCompletionRequest) -> dict:  # noqa: ANN001 - runs in a worker thread
-        text = e.tokenizer.apply_chat_template([m.template_dict() for m in req.messages],
-                                               add_generation_prompt=req.add_generation_prompt,
-                                               chat_template=req.chat_template, **(req.chat_template_kwargs or {}))
+    def render_chat(e, req: ChatCompletionRequest, tools: list[dict]) -> dict:  # noqa: ANN001 - a worker thread
+        template = req.chat_template or e.tokenizer.chat_template
+        knows = template_knows_tools(template)
+        messages = template_messages([m.template_dict() for m in req.messages], tools, knows)
+        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools and knows else {})}
+        text = e.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                               chat_template=req.chat_template, **kwargs)
         return {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False)}
+
+    def chat_tools(e, req: ChatCompletionRequest) -> tuple[list[dict], tuple[str, dict] | None]:  # noqa: ANN001
+        """(tools the model is offered, (field, output constraint)). tool_choice 'required' or a named
+        function is enforced by a structural tag over the tools' parameter schemas; 'auto' lets the model
+        choose, and a call it begins must be a valid one."""
+        try:
+            given = req.structured_spec()
+        except ValueError as ex:
+            raise APIError(400, str(ex), param="response_format") from ex
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+        choice = choice or ("auto" if tools else "none")
+        try:
+            check_tools(tools, choice)
+            for t in tools:
+                if "parameters" in t["function"]:
+                    validate_json_schema(t["function"]["parameters"])
+        except InvalidRequestError as ex:
+            raise APIError(400, str(ex), param="tools") from ex
+        if choice == "none" or not tools:
+            return [], given
+        if given is not None:
+            if choice != "auto":
+                raise APIError(400, f"tool_choice 'required' or a named function cannot be combined with {given[0]}",
+                               param="tool_choice")
+            return tools, given  # the response format constrains; calls are still parsed
+        fmt = tool_format_for(req.chat_template or e.tokenizer.chat_template)
+        return tools, ("tools", {"structural_tag": structural_tag(fmt, tools, choice, req.parallel_tool_calls)})
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
@@ -412,23 +472,42 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         if req.chat_template is not None and not trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: a template is a program; start the server "
                            "with --trust-request-chat-template to allow it", param="chat_template")
+        tools, given = chat_tools(e, req)
         try:
-            prompt = await asyncio.to_thread(render_chat, e, req)
+            prompt = await asyncio.to_thread(render_chat, e, req, tools)
         except InvalidRequestError as ex:
             raise APIError(400, str(ex), param="messages") from ex
         k = req.top_logprobs or 0
-        params = sampling(req, req.max_completion_tokens or req.max_tokens, k if req.logprobs else None)
+        params = sampling(req, req.max_completion_tokens or req.max_tokens, k if req.logprobs else None,
+                          await constraint(given))
         streams = await submit([prompt], params, req, "chatcmpl")
         created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], model_name()
+        fmt = tool_format_for(req.chat_template or e.tokenizer.chat_template)
+
+        def message(c) -> tuple[dict, str | None]:  # noqa: ANN001
+            if not tools:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            parsed = parse_tool_calls(c.text, fmt, final=True)
+            calls = tool_calls_message(parsed)
+            if not calls:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, reason
 
         if not req.stream:
             (o,) = await final_outputs(streams, request)
-            return await json_off_loop(lambda: {
-                "id": rid, "object": "chat.completion", "created": created, "model": name,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": chat_logprobs(e, c.token_ids, c.logprobs, k) if req.logprobs else None,
-                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in o.outputs],
-                "usage": usage([o])})
+
+            def body() -> dict:
+                choices = []
+                for c in o.outputs:
+                    msg, reason = message(c)
+                    choices.append({"index": c.index, "message": msg,
+                                    "logprobs": chat_logprobs(e, c.token_ids, c.logprobs, k) if req.logprobs else None,
+                                    "finish_reason": reason, "stop_reason": c.stop_reason})
+                return {"id": rid, "object": "chat.completion", "created": created, "model": name,
+                        "choices": choices, "usage": usage([o])}
+
+            return await json_off_loop(body)
 
         async def gen() -> AsyncIterator[str]:
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
@@ -437,18 +516,30 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                                                "logprobs": None, "finish_reason": None}]})
             sent_text = [0] * params.n
             sent_tok = [0] * params.n
+            parsers = [ToolCallStream(fmt) for _ in range(params.n)] if tools else None
             final = None
             try:
                 async for _, o in merged(streams):
                     for c in o.outputs:
-                        delta = c.text[sent_text[c.index]:]
+                        new_text = c.text[sent_text[c.index]:]
                         new_toks = c.token_ids[sent_tok[c.index]:]
-                        if not delta and not c.finish_reason:
+                        if not new_text and not c.finish_reason:
                             continue
                         lp = chat_logprobs(e, new_toks, c.logprobs[sent_tok[c.index]:], k) if req.logprobs else None
                         sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
-                        yield sse(head | {"choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
-                                                       "logprobs": lp, "finish_reason": c.finish_reason}]})
+                        delta: dict = {}
+                        reason = c.finish_reason
+                        if parsers is None:
+                            delta = {"content": new_text} if new_text else {}
+                        else:
+                            content, calls = parsers[c.index].update(c.text, final=c.finish_reason is not None)
+                            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+                            if reason == "stop" and parsers[c.index].num_calls:
+                                reason = "tool_calls"
+                            if not delta and not reason and lp is None:
+                                continue
+                        yield sse(head | {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
+                                                       "finish_reason": reason}]})
                     if o.finished:
                         final = o
                 if req.stream_options and req.stream_options.include_usage and final is not None:

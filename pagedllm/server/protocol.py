@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -14,14 +14,10 @@ _FALSY: Callable[[Any], bool] = lambda v: not v
 
 # Fields of the OpenAI and vLLM APIs that this server does not implement, each with the test for
 # its no-op value: a request that sets one to anything else gets a 400 naming it, never a 200 that
-# ignores it. Structured outputs and tools are their own issue.
+# ignores it.
 _NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "structured_outputs": _NONE, "guided_json": _NONE, "guided_regex": _NONE, "guided_choice": _NONE,
-    "guided_grammar": _NONE, "guided_json_object": _FALSY, "guided_decoding_backend": _NONE,
-    "guided_whitespace_pattern": _NONE, "structural_tag": _NONE,
-    "tools": _FALSY, "tool_choice": lambda v: v in (None, "none"), "functions": _FALSY,
-    "function_call": lambda v: v in (None, "none"), "parallel_tool_calls": lambda v: True,  # moot without tools
+    "guided_decoding_backend": lambda v: v in (None, "xgrammar", "auto"), "guided_whitespace_pattern": _NONE,
+    "functions": _FALSY, "function_call": lambda v: v in (None, "none"),  # deprecated: use tools / tool_choice
     "prompt_logprobs": _NONE, "use_beam_search": _FALSY, "length_penalty": lambda v: v in (None, 1, 1.0),
     "truncate_prompt_tokens": _NONE, "logits_processors": _FALSY, "return_tokens_as_token_ids": _FALSY,
     "return_token_ids": _FALSY, "prompt_embeds": _NONE, "documents": _FALSY, "mm_processor_kwargs": _FALSY,
@@ -47,6 +43,90 @@ def unsupported_field(extra: dict[str, Any] | None, endpoint_defaults: dict[str,
         if not test(value):
             return name, f"{name} is not supported by this server (got {value!r})"
     return None
+
+
+class JSONSchemaSpec(BaseModel):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` body field: exactly one of these (checked by StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[StrictStr] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+
+class _Structured(BaseModel):
+    """Fields constraining the output, shared by completions and chat (vLLM's and OpenAI's names)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs.*
+    guided_regex: str | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    structural_tag: str | None = None
+
+    def structured_spec(self) -> tuple[str, dict] | None:
+        """(field, StructuredOutputsParams fields) of the one constraint this request asks for, or None.
+        Raises ValueError when two are given."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format of type json_schema needs a json_schema field")
+            given.append(("response_format", {"json": rf.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            d = self.structured_outputs.model_dump(exclude_none=True)
+            if "json_" in d:
+                d["json"] = d.pop("json_")
+            given.append(("structured_outputs", d))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar"), ("guided_json_object", "json_object"),
+                          ("structural_tag", "structural_tag")):
+            v = getattr(self, name)
+            if v not in (None, False):
+                given.append((name, {key: v}))
+        if len(given) > 1:
+            raise ValueError(f"give at most one output constraint; got {given[0][0]} and {given[1][0]}")
+        return given[0] if given else None
+
+
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    class Function(BaseModel):
+        name: str
+
+    type: Literal["function"]
+    function: Function
 
 
 class StreamOptions(BaseModel):
@@ -92,7 +172,7 @@ class _Sampling(BaseModel):
         return v
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, _Structured):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -121,12 +201,32 @@ class TextPart(BaseModel):
     text: str
 
 
+class MessageToolCall(BaseModel):
+    class Function(BaseModel):
+        name: str
+        arguments: str
+
+    id: str
+    type: Literal["function"] = "function"
+    function: Function
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self):  # noqa: ANN202
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -138,8 +238,11 @@ class ChatMessage(BaseModel):
         return {**self.model_dump(exclude_none=True), "content": self.text()}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, _Structured):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
