@@ -126,13 +126,6 @@ def server():  # noqa: ANN201
     assert s.stop() == 0
 
 
-@pytest.fixture(scope="module")
-def aclient(server):  # noqa: ANN001, ANN201
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-
-
 def run(coro):  # noqa: ANN001, ANN201
     return asyncio.run(coro)
 
