@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from .sampling_params import StructuredOutputsParams
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("pagedllm")
+CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped): a server sees unbounded distinct schemas
 
 # JSON-schema keywords xgrammar would silently ignore: a schema using one is refused by name,
 # since an output that "validates" against the grammar could still fail the schema.
@@ -123,7 +125,7 @@ class StructuredOutputs:
         self.stats = StructuredOutputStats()
         self._lock = threading.Lock()
         self._compiler: Any = None
-        self._cache: dict[tuple, Any] = {}
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
 
     # ---- compile (any thread) ------------------------------------------------------------
@@ -157,10 +159,12 @@ class StructuredOutputs:
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of spec (cached). Raises InvalidRequestError with the compiler's message."""
         key = spec.key
-        hit = self._cache.get(key)
-        if hit is not None:
-            self.stats.num_cache_hits += 1
-            return hit
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.stats.num_cache_hits += 1
+                return hit
         compiler = self._get_compiler()
         t0 = time.perf_counter()
         try:
@@ -173,6 +177,8 @@ class StructuredOutputs:
             self.stats.num_compiles += 1
             self.stats.compile_seconds += time.perf_counter() - t0
             self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
         return compiled
 
     @staticmethod
