@@ -375,14 +375,46 @@ class LLMEngine:
         return self._output(g)
 
     # ---- introspection -------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def kv_snapshot(self) -> dict:
+        """The KV pool block by block, the live requests, the counters, and what the running requests
+        would reserve under static max-length allocation.
+        Built between steps (from the engine's thread); the dashboard draws it."""
+        t0 = time.perf_counter()
+        sc, bs = self.scheduler, self.block_manager.block_size
+        reqs = [*sc.running, *sc.waiting.values()]
+        pool = self.block_manager.snapshot([r.request_id for r in reqs],
+                                           {r.request_id: r.num_computed_tokens for r in sc.running})
+        rows = [{"id": r.request_id, "status": r.status.value, "prompt_tokens": r.num_prompt_tokens,
+                 "output_tokens": len(r.output_token_ids), "computed_tokens": r.num_computed_tokens,
+                 "max_tokens": r.max_tokens, "blocks": len(self.block_manager.table(r.request_id)),
+                 "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions, "priority": r.priority}
+                for r in reqs]
+        # the seed's static serving: each running request holds max_model_len contiguous slots
+        # (declared: prompt + max_tokens, what a smarter static server would reserve)
+        live = sum(r.num_computed_tokens for r in sc.running)
+        reserved = len(sc.running) * self.max_model_len
+        declared = sum(min(r.max_total_tokens, self.max_model_len) for r in sc.running)
+        static = {"requests": len(sc.running), "reserved_tokens": reserved, "reserved_blocks": -(-reserved // bs),
+                  "declared_tokens": declared, "live_tokens": live,
+                  "wasted_fraction": 1 - live / reserved if reserved else 0.0,
+                  "declared_wasted_fraction": 1 - live / declared if declared else 0.0}
+        return {"time": time.time(), "step": self.num_steps, "model": self.model_name,
+                "max_model_len": self.max_model_len, "watermark_blocks": sc.watermark_blocks,
+                "pool": pool, "requests": rows, "static": static,
+                "stats": self.stats(filled=pool["filled_slots"], cached_free=pool["cached_free"]).to_dict(),
+                "build_ms": (time.perf_counter() - t0) * 1000}
+
+    def stats(self, filled: int | None = None, cached_free: int | None = None) -> EngineStats:
+        """filled / cached_free: when the caller has them already (kv_snapshot), not counted again."""
         bm, sc = self.block_manager, self.scheduler
         used = bm.num_used_blocks
-        filled = bm.filled_slots({r.request_id: r.num_computed_tokens for r in sc.running})
+        if filled is None:
+            filled = bm.filled_slots({r.request_id: r.num_computed_tokens for r in sc.running})
         c = sc.counters
         return EngineStats(
             num_running=len(sc.running), num_waiting=len(sc.waiting), kv_blocks_total=bm.num_blocks,
-            kv_blocks_used=used, kv_blocks_cached_free=bm.num_cached_free_blocks,
+            kv_blocks_used=used,
+            kv_blocks_cached_free=bm.num_cached_free_blocks if cached_free is None else cached_free,
             kv_usage=used / bm.num_blocks, kv_utilization=filled / (used * bm.block_size) if used else 0.0,
             prefix_cache_queries=c.prefix_cache_queries, prefix_cache_hits=c.prefix_cache_hits,
             num_preemptions=c.num_preemptions, prompt_tokens=c.prompt_tokens,

@@ -80,3 +80,7 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def kv_snapshot(self) -> dict:
+        """The KV pool block by block (what the server's /dashboard draws); see LLMEngine.kv_snapshot."""
+        return self.engine.kv_snapshot()

@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -42,6 +43,9 @@ from .protocol import (
     TokenizeRequest,
     unsupported_field,
 )
+
+STATIC = Path(__file__).parent / "static"
+DASHBOARD_FILES = {"kvmap.js": "text/javascript", "kvmap.css": "text/css", "dashboard.js": "text/javascript"}
 
 
 class APIError(Exception):
@@ -89,7 +93,10 @@ class APIKeyMiddleware:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope, receive, send):  # noqa: ANN001, ANN204
-        if scope["type"] == "http" and scope["path"] not in ("/health", "/ready", "/metrics"):
+        # the dashboard's page and scripts carry no data (its snapshot endpoint is behind the key)
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in ("/health", "/ready", "/metrics", "/dashboard") \
+                and not (path.startswith("/dashboard/") and path.rsplit("/", 1)[-1] in DASHBOARD_FILES):
             auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
             token = auth[7:] if auth.lower().startswith("bearer ") else ""
             if not secrets.compare_digest(token.encode(), self.api_key.encode()):
@@ -207,6 +214,24 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": await asyncio.to_thread(e.tokenizer.decode, req.tokens, skip_special_tokens=False)}
+
+    # ---- the KV dashboard ------------------------------------------------------------------
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response((STATIC / "dashboard.html").read_bytes(), media_type="text/html")
+
+    @app.get("/dashboard/{name}")
+    async def dashboard_file(name: str) -> Response:
+        if name not in DASHBOARD_FILES:
+            raise APIError(404, f"no dashboard file {name!r}", "not_found_error")
+        return Response((STATIC / name).read_bytes(), media_type=DASHBOARD_FILES[name])
+
+    @app.get("/kv/snapshot")
+    async def kv_snapshot() -> Response:
+        """The KV pool block by block, built between engine steps (see LLMEngine.kv_snapshot)."""
+        core()
+        snap = await engine.kv_snapshot()
+        return Response(json.dumps(snap).encode(), media_type="application/json")
 
     # ---- generation ----------------------------------------------------------------------
     def check_fields(req: Any, endpoint: dict) -> None:

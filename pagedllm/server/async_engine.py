@@ -131,6 +131,15 @@ class AsyncEngine:
             raise
         return streams
 
+    async def kv_snapshot(self) -> dict:
+        """The engine's KV snapshot, built between two steps by the loop's thread (never mid-step)."""
+        if self.engine is None:
+            raise RuntimeError("the model is still loading")
+        fut = asyncio.get_running_loop().create_future()
+        self._ops.append(("snapshot", fut))
+        self._wake.set()
+        return await fut
+
     def abort(self, request_id: str) -> None:
         if request_id in self._streams:
             self._ops.append(("abort", request_id))
@@ -152,7 +161,7 @@ class AsyncEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def _apply_ops(self, ops: list[tuple]) -> tuple[list[tuple], list[RequestOutput]]:
-        """In the worker thread. Returns (future, exception or None) pairs and outputs to deliver;
+        """In the worker thread. Returns (future, exception or result) pairs and outputs to deliver;
         futures are settled on the event loop, which owns them."""
         assert self.engine is not None  # noqa: S101 - the loop only runs once the engine is loaded
         settled, outs = [], []
@@ -177,6 +186,8 @@ class AsyncEngine:
                     for rid in added:
                         self.engine.abort(rid)
                 settled.append((fut, error))
+            elif op[0] == "snapshot":
+                settled.append((op[1], self.engine.kv_snapshot()))
             else:
                 out = self.engine.abort(op[1])
                 if out is not None:
@@ -226,13 +237,13 @@ class AsyncEngine:
             if self._ops:
                 ops, self._ops = self._ops, []
                 settled, outs = await asyncio.to_thread(self._apply_ops, ops)
-                for fut, error in settled:
+                for fut, result in settled:
                     if fut.done():
                         continue
-                    if error is None:
-                        fut.set_result(None)
+                    if isinstance(result, BaseException):
+                        fut.set_exception(result)
                     else:
-                        fut.set_exception(error)
+                        fut.set_result(result)
                 for out in outs:
                     self._deliver(out)
                 self.stats = await asyncio.to_thread(self.engine.stats)
