@@ -113,6 +113,26 @@ def test_fork_and_copy_on_write():
     assert bm.num_free_blocks == 8
 
 
+def test_snapshot_states_owners_fill_and_shared_holders():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.allocate_slots("a", list(range(10)), 0, 10)  # blocks 0, 1 full (hashed), 2 half
+    bm.fork("a", "b")
+    bm.allocate_slots("x", [50, 51, 52, 53, 54], 0, 5)  # blocks 3 (hashed), 4
+    bm.free("x")  # 4 (no hash) back to the head of the free queue, 3 stays cached-free
+    snap = bm.snapshot(["a", "b"], {"a": 10, "b": 10})
+    assert snap["state"] == [3, 3, 3, 1, 0, 0, 0, 0]
+    assert snap["ref"] == [2, 2, 2, 0, 0, 0, 0, 0]
+    assert snap["owner"] == [0, 0, 0, -1, -1, -1, -1, -1] and snap["index"][:3] == [0, 1, 2]
+    assert snap["fill"] == [4, 4, 2, 0, 0, 0, 0, 0] and snap["filled_slots"] == 10
+    assert list(zip(snap["shared_blocks"], snap["shared_holders"])) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [h is not None for h in snap["hash"]] == [True, True, False, True, False, False, False, False]
+    assert snap["hash"][0] == bm.blocks[0].block_hash[:4].hex() and snap["cached_free"] == 1
+    bm.allocate_slots("b", list(range(10)) + [99], 10, 1)  # b writes into shared block 2: copied to 4
+    snap = bm.snapshot(["a", "b"], {"a": 10, "b": 11})
+    assert snap["state"][:5] == [3, 3, 2, 1, 2] and snap["owner"][:5] == [0, 0, 0, -1, 1]
+    assert snap["fill"][:5] == [4, 4, 2, 0, 3] and snap["filled_slots"] == bm.filled_slots({"a": 10, "b": 11})
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random allocate / append / fork / free / evict sequences keep the invariants."""
 

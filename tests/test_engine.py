@@ -207,3 +207,29 @@ def test_kv_budget_arithmetic(llama_dir):  # noqa: ANN001
     assert e.kv_bytes_per_token == 512
     assert e.block_manager.num_blocks == 2**20 // (512 * 16)
     assert e.max_model_len == min(1024, e.block_manager.num_blocks * 16)
+
+
+def test_kv_snapshot_matches_the_engine_between_steps(llama_dir):  # noqa: ANN001
+    llm = LLM(llama_dir, num_kv_blocks=80, block_size=4, max_model_len=256)
+    e = llm.engine
+    prefix = list(range(1, 13))  # 3 full blocks every request shares
+    for i in range(3):
+        e.add_request(f"r{i}", {"prompt_token_ids": prefix + [20 + i]}, SamplingParams(max_tokens=6, n=2, ignore_eos=True))
+    for _ in range(3):
+        e.step()
+    snap = llm.kv_snapshot()
+    st, pool = snap["stats"], snap["pool"]
+    assert st == e.stats().to_dict()  # the snapshot's shortcut counts agree with a full stats()
+    assert pool["state"].count(0) + pool["state"].count(1) == pool["num_blocks"] - st["kv_blocks_used"]
+    ids = [r["id"] for r in snap["requests"]]
+    assert sorted(ids) == sorted(r.request_id for r in e.scheduler.running)
+    for bid in e.block_manager.table("r0#0")[:3]:  # the shared prefix: held by all 6 sequences
+        holders = [ids[r] for blk, r in zip(pool["shared_blocks"], pool["shared_holders"]) if blk == bid]
+        assert sorted(holders) == sorted(ids) and pool["ref"][bid] == 6
+    assert snap["static"]["reserved_tokens"] == 6 * 256
+    assert snap["static"]["live_tokens"] == sum(r.num_computed_tokens for r in e.scheduler.running)
+    while e.has_unfinished_requests():
+        e.step()
+    idle = llm.kv_snapshot()
+    assert idle["requests"] == [] and idle["pool"]["state"].count(2) == idle["pool"]["state"].count(3) == 0
+    assert idle["pool"]["cached_free"] == idle["stats"]["kv_blocks_cached_free"] > 0

@@ -291,6 +291,13 @@ def test_api_key_and_queue_limit(chat_model_dir):  # noqa: ANN001
         assert httpx.get(srv.url + "/health").status_code == 200
         auth = {"Authorization": "Bearer sekret"}
         assert httpx.get(srv.url + "/v1/models", headers=auth).status_code == 200
+        # the dashboard page carries no data; its snapshot is behind the key
+        assert httpx.get(srv.url + "/dashboard").status_code == 200
+        assert httpx.get(srv.url + "/dashboard/kvmap.js").status_code == 200
+        assert httpx.get(srv.url + "/dashboard/../app.py").status_code in (401, 404)
+        assert httpx.get(srv.url + "/kv/snapshot").status_code == 401
+        snap = httpx.get(srv.url + "/kv/snapshot", headers=auth).json()
+        assert snap["pool"]["num_blocks"] == len(snap["pool"]["state"]) > 0
 
         async def burst() -> list[int]:
             async with httpx.AsyncClient(timeout=120, headers=auth) as c:
