@@ -152,14 +152,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from .config import parse_size
     from .planner import kv_bytes_per_token, load_shape
-    from .simulate import generate_trace, load_trace, plot, simulate_paged, simulate_static
+    from .simulate import generate_trace, load_trace, plot, simulate_paged, simulate_static, write_html
 
     shape = load_shape(args.model, args.preset)
     bpt = kv_bytes_per_token(shape, args.kv_dtype)
     capacity = parse_size(args.kv_memory) // bpt
     max_len = args.max_model_len or shape.max_model_len
     trace = load_trace(args.trace) if args.trace else generate_trace(args.num_requests, args.seed, args.rate, max_len)
-    static, paged = simulate_static(trace, capacity), simulate_paged(trace, capacity, args.block_size)
+    layouts: tuple[list, list] | tuple[None, None] = ([], []) if args.html else (None, None)
+    static = simulate_static(trace, capacity, layouts[0])
+    paged = simulate_paged(trace, capacity, args.block_size, layout=layouts[1])
     report = {"config": {"model": shape.name, "kv_bytes_per_token": bpt, "kv_memory": args.kv_memory,
                          "capacity_tokens": capacity, "block_size": args.block_size, "num_requests": len(trace),
                          "seed": args.seed, "trace": args.trace},
@@ -179,6 +181,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             json.dump(report, f, indent=1)
     if args.plot:
         plot(static, paged, bpt, args.plot, f"{shape.name}, {args.kv_memory} of KV, {len(trace)} requests")
+    if args.html:
+        write_html(static, paged, layouts[0], layouts[1], capacity, args.block_size, args.html,
+                   f"{shape.name}, {args.kv_memory} of KV ({capacity:,} tokens), {len(trace)} requests")
     return 0
 
 
@@ -369,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     si.add_argument("--rate", type=float, default=0.5, help="mean arrivals per decode step")
     si.add_argument("--seed", type=int, default=0)
     si.add_argument("--plot", default=None, help="PNG file")
+    si.add_argument("--html", default=None, help="self-contained page: each pool over time, request by request")
     si.set_defaults(func=cmd_simulate)
 
     ew = sub.add_parser("eval", help="weight formats vs an fp32 reference of the same weights: perplexity, mean KL, "

@@ -99,9 +99,11 @@ def _finish_means(res: Result) -> None:
     res.steps = len(tl.step)
 
 
-def simulate_static(trace: list[TraceRequest], capacity: int) -> Result:
-    """capacity in tokens; reservations are contiguous [start, start + prompt + max_tokens)."""
+def simulate_static(trace: list[TraceRequest], capacity: int, layout: list | None = None) -> Result:
+    """capacity in tokens; reservations are contiguous [start, start + prompt + max_tokens).
+    layout: if a list, gets each step's pool: [start, size, used, request index] per running request."""
     res = Result()
+    rid = {id(r): i for i, r in enumerate(trace)}
     free: list[tuple[int, int]] = [(0, capacity)]  # sorted (start, length)
     running: list[tuple[TraceRequest, int, int, int]] = []  # (req, start, size, generated)
     pending = deque(sorted(trace, key=lambda r: r.arrival))
@@ -134,6 +136,8 @@ def simulate_static(trace: list[TraceRequest], capacity: int) -> Result:
         used = sum(r.prompt_len + g for r, _, _, g in running)
         reserved = sum(n for _, _, n, _ in running)
         _record(res, step, reserved, used, max((ln for _, ln in free), default=0), len(running))
+        if layout is not None:
+            layout.append([x for r, st, n, g in running for x in (st, n, r.prompt_len + g, rid[id(r)])])
         step += 1
     _finish_means(res)
     return res
@@ -149,9 +153,12 @@ def _coalesce(free: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def simulate_paged(trace: list[TraceRequest], capacity: int, block_size: int = 16, watermark: float = 0.01
-                   ) -> Result:
+def simulate_paged(trace: list[TraceRequest], capacity: int, block_size: int = 16, watermark: float = 0.01,
+                   layout: list | None = None) -> Result:
+    """layout: if a list, gets each step's pool: [blocks held, used tokens, request index] per running request
+    (block positions are immaterial to paging: they are drawn packed)."""
     res = Result()
+    rid = {id(r): i for i, r in enumerate(trace)}
     num_blocks = capacity // block_size
     wm = int(num_blocks * watermark)
     free_blocks = num_blocks
@@ -202,6 +209,8 @@ def simulate_paged(trace: list[TraceRequest], capacity: int, block_size: int = 1
         used = sum(r.prompt_len + g for r, g, _ in running)
         reserved = sum(h for _, _, h in running) * block_size
         _record(res, step, reserved, used, free_blocks * block_size, len(running))
+        if layout is not None:
+            layout.append([x for r, g, h in running for x in (h, r.prompt_len + g, rid[id(r)])])
         step += 1
     _finish_means(res)
     return res
@@ -231,3 +240,21 @@ def plot(static: Result, paged: Result, bytes_per_token: int, path: str, title: 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_html(static: Result, paged: Result, static_layout: list, paged_layout: list, capacity: int, block_size: int,
+               path: str, title: str = "", max_frames: int = 600) -> None:
+    """The replay as one self-contained page in the dashboard's visual language (server/static/kvmap.*):
+    each system's pool over time, one column per sampled step, each request's tokens in its color."""
+    static_dir = Path(__file__).parent / "server" / "static"
+    every = max(1, -(-max(len(static_layout), len(paged_layout)) // max_frames))
+    data = {"title": title, "capacity": capacity, "block_size": block_size, "every": every,
+            "static": {"summary": static.summary(), "layout": static_layout[::every],
+                       "reserved": static.timeline.reserved[::every], "used": static.timeline.used[::every]},
+            "paged": {"summary": paged.summary(), "layout": paged_layout[::every],
+                      "reserved": paged.timeline.reserved[::every], "used": paged.timeline.used[::every]}}
+    page = (static_dir / "simulate.html").read_text()
+    page = page.replace("/*KVMAP_CSS*/", (static_dir / "kvmap.css").read_text())
+    page = page.replace("/*KVMAP_JS*/", (static_dir / "kvmap.js").read_text())
+    page = page.replace("/*DATA*/null", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
+    Path(path).write_text(page)

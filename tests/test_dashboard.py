@@ -100,3 +100,38 @@ def test_dashboard_draws_the_pool_the_server_reports():
         assert not errors, errors
     finally:
         assert srv.stop() == 0
+
+
+def test_simulate_html_replays_both_pools_in_the_browser(tmp_path):  # noqa: ANN001
+    import subprocess
+    import sys
+
+    from playwright.sync_api import sync_playwright
+
+    out = tmp_path / "sim.html"
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "simulate", "--preset", "seed-13b", "--kv-memory", "46GB",
+                        "--num-requests", "120", "--html", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.fail("no chromium on PATH: apt-get install -y chromium")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(out.as_uri())
+        page.wait_for_function("window.kvReplay && window.kvReplay.ready", timeout=30_000)
+        frames = page.evaluate("window.kvReplay.frames")
+        # a pixel inside the drawn area of the paged pool is not the free color: something was painted
+        painted = page.evaluate("""() => {
+          const c = document.getElementById("paged"), ctx = c.getContext("2d");
+          const d = ctx.getImageData(0, 0, c.width, c.height).data;
+          let n = 0;
+          for (let i = 0; i < d.length; i += 4) if (!(d[i] === 0xe5 && d[i + 1] === 0xe7 && d[i + 2] === 0xeb)) n++;
+          return n;
+        }""")
+        rows = page.evaluate("document.querySelectorAll('#summary tr').length")
+        browser.close()
+    assert not errors, errors
+    assert frames["static"] > 10 and frames["paged"] > 10 and painted > 100 and rows == 8

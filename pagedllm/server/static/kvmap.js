@@ -100,30 +100,29 @@ class KVGrid {
   }
 }
 
-// a tiny line chart: series = [{values, color, label}], drawn as SVG polylines
+// a tiny line chart: series = [{values, color}], drawn as SVG polylines stretched to the box; the
+// scale's top is written into a `.max` element next to the svg, if there is one
 function kvLineChart(svg, series, {max = null, unit = ""} = {}) {
   const w = 300, h = 70;
   svg.setAttribute("viewBox", `0 0 ${w} ${h}`);
+  svg.setAttribute("preserveAspectRatio", "none");
   const top = max ?? Math.max(1e-9, ...series.flatMap((s) => s.values));
   svg.textContent = "";
   const ns = "http://www.w3.org/2000/svg";
   for (const s of series) {
     const n = s.values.length;
     if (!n) continue;
-    const pts = s.values.map((v, i) => `${(n === 1 ? w : (i / (n - 1)) * w).toFixed(1)},${(h - 2 - (v / top) * (h - 14)).toFixed(1)}`);
+    const pts = s.values.map((v, i) => `${(n === 1 ? w : (i / (n - 1)) * w).toFixed(1)},${(h - 2 - (v / top) * (h - 6)).toFixed(1)}`);
     const line = document.createElementNS(ns, "polyline");
     line.setAttribute("points", pts.join(" "));
     line.setAttribute("fill", "none");
     line.setAttribute("stroke", s.color);
     line.setAttribute("stroke-width", "1.6");
+    line.setAttribute("vector-effect", "non-scaling-stroke");
     svg.appendChild(line);
   }
-  const label = document.createElementNS(ns, "text");
-  label.setAttribute("x", "2");
-  label.setAttribute("y", "10");
-  label.setAttribute("class", "axis");
-  label.textContent = `max ${top >= 100 ? top.toFixed(0) : top.toPrecision(3)}${unit}`;
-  svg.appendChild(label);
+  const label = svg.parentElement && svg.parentElement.querySelector(".max");
+  if (label) label.textContent = `(top ${top >= 100 ? Math.round(top).toLocaleString() : top.toPrecision(3)}${unit})`;
 }
 
 // static max-length reservation next to paging: two bars on one scale.
