@@ -201,6 +201,32 @@ class BlockManager:
                 if blk.block_hash is None:
                     self.free_queue.move_to_end(bid, last=False)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep only the blocks holding the first num_tokens slots (speculative decoding: rejected
+        proposals' slots are rolled back). A freed block held proposals only, which never hash
+        (only verified tokens are offered to the cache); any hash is cleared all the same, so a
+        rolled-back block can never be hit."""
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            bid = table.pop()
+            blk = self.blocks[bid]
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                if blk.block_hash is not None and self.cached.get(blk.block_hash) == bid:
+                    del self.cached[blk.block_hash]
+                blk.block_hash = None
+                blk.token_ids = None
+                self.free_queue[bid] = None
+                self.free_queue.move_to_end(bid, last=False)
+        hashes = self._hashes.get(request_id)
+        if hashes is not None and len(hashes) > num_tokens // self.block_size:
+            del hashes[num_tokens // self.block_size:]
+        if self._num_registered.get(request_id, 0) > num_tokens // self.block_size:
+            self._num_registered[request_id] = num_tokens // self.block_size
+
     def reset_prefix_cache(self) -> None:
         for bid in self.free_queue:
             blk = self.blocks[bid]

@@ -61,6 +61,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "reserve": reserve prompt+max_tokens, never preempt
     watermark: float = 0.01  # fraction of blocks admission keeps free
     num_threads: int | None = None
+    speculative_config: dict | str | None = None  # vLLM's: {"method": "ngram" | "draft_model", ...} (spec_decode.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,6 +88,10 @@ class EngineConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.speculative_config is not None:
+            from .spec_decode import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)  # validates; the engine parses it again
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             # without chunking a whole prompt must fit in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)

@@ -19,9 +19,10 @@ from .loader import load_model
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .request import Request, RequestStatus
-from .sampler import Sampler
+from .sampler import Sampler, SampleResult
 from .sampling_params import SamplingParams, StructuredOutputsParams
 from .scheduler import Scheduler
+from .spec_decode import NgramProposer, SpecDecodeCounters, SpeculativeConfig, record_acceptance, should_propose
 from .structured_outputs import StructuredOutputs
 from .tokenizer import IncrementalDetokenizer
 
@@ -52,6 +53,10 @@ class EngineStats:
     num_steps: int
     block_size: int
     kv_bytes_per_block: int
+    spec_num_drafts: int = 0  # speculative decoding (vLLM's spec_decode counters)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,6 +135,15 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids,
                                             max_threads=torch.get_num_threads()) if self.tokenizer else None
         self.sampler = Sampler(config.seed, self.runner.argmax, self.structured)
+        self.spec: SpeculativeConfig | None = SpeculativeConfig.parse(config.speculative_config)
+        self.spec_counters = SpecDecodeCounters()
+        self.proposer = NgramProposer(self.spec) if self.spec is not None else None
+        self.draft = None
+        if self.spec is not None and self.spec.method == "draft_model":
+            from .draft_model import DraftModel
+
+            self.draft = DraftModel(self.spec, self.runner, loaded, config)
+            self.proposer = self.draft
         log.info("engine ready in %.1f s", time.monotonic() - t0)
 
     # ---- setup helpers -------------------------------------------------------------------
@@ -264,43 +278,67 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
         self.num_steps += 1
+        if self.draft is not None:
+            self.draft.run(sched, self.block_manager.tables)
         res = self.runner.execute(sched, self.block_manager.tables)
-        # a leader finishing its prompt also samples the first token of each of its forks
+        # a leader finishing its prompt also samples the first token of each of its forks; a speculating
+        # request verifies its proposals over its 1 + k rows
         reqs, rows = [], []
-        for i, r in enumerate(res.requests):
-            for seq in [r, *r.pending_forks]:
-                reqs.append(seq)
-                rows.append(i)
-        samples = self.sampler.sample(res.logits, reqs, rows, self.eos_token_ids)
-        by_id = {seq.request_id: s for seq, s in zip(reqs, samples)}
+        emitted: dict[str, list[SampleResult]] = {}
+        offset = 0
+        for r, n in zip(res.requests, res.num_rows):
+            if n > 1:
+                drafts = list(r.spec_tokens)
+                q = self.draft.probs.get(r.request_id) if self.draft is not None else None
+                emitted[r.request_id] = self.sampler.verify(res.logits[offset:offset + n], r, drafts,
+                                                            self.eos_token_ids, q)
+                accepted = len(emitted[r.request_id]) - 1
+                self.spec_counters.record(len(drafts), accepted)
+                record_acceptance(r, len(drafts), accepted, self.spec)
+            else:
+                for seq in [r, *r.pending_forks]:
+                    reqs.append(seq)
+                    rows.append(offset)
+            offset += n
+        samples = self.sampler.sample(res.logits, reqs, rows, self.eos_token_ids) if reqs else []
         for seq, s in zip(reqs, samples):
+            emitted[seq.request_id] = [s]
             if seq.grammar is not None and not seq.grammar.accept_token(s.token_id):
                 log.warning("request %s: sampled token %d is outside its grammar", seq.request_id, s.token_id)
-        self.scheduler.update(sched, {r.request_id: by_id[r.request_id].token_id for r in res.requests})
+        self.scheduler.update(sched, {r.request_id: [s.token_id for s in emitted[r.request_id]] for r in res.requests})
         for r in res.requests:
             for child in r.pending_forks:
                 self.scheduler.fork(r, child)
-                child.output_token_ids.append(by_id[child.request_id].token_id)
+                child.output_token_ids.append(emitted[child.request_id][0].token_id)
                 self.scheduler.counters.generation_tokens += 1
             r.pending_forks = []
         now = time.monotonic()
         touched: dict[str, _Group] = {}
-        for seq in reqs:
+        for seq in [*reqs, *(r for r, n in zip(res.requests, res.num_rows) if n > 1)]:
             if seq.is_finished:
                 continue
-            s = by_id[seq.request_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.params.logprobs is not None:
-                seq.cumulative_logprob += s.logprob
-                seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.id_to_token(t) if self.tokenizer else None)
-                                     for t, lp, rank in s.top})
             g = self.groups[seq.group_id]
-            self._check_stop(g, seq)
+            new = emitted[seq.request_id]
+            base = len(seq.output_token_ids) - len(new)
+            for j, s in enumerate(new):
+                if seq.params.logprobs is not None:
+                    seq.cumulative_logprob += s.logprob
+                    seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.id_to_token(t) if self.tokenizer else None)
+                                         for t, lp, rank in s.top})
+                self._check_stop(g, seq, base + j + 1)
+                if seq.is_finished:  # a stop inside the accepted run: the tokens after it are not outputs
+                    dropped = len(seq.output_token_ids) - (base + j + 1)
+                    del seq.output_token_ids[base + j + 1:]
+                    self.scheduler.counters.generation_tokens -= dropped
+                    break
             touched[g.request_id] = g
         outs = []
         for g in touched.values():
@@ -308,10 +346,35 @@ class LLMEngine:
             outs.append(out)
         return outs
 
-    def _check_stop(self, g: _Group, seq: Request) -> None:
-        tok = seq.output_token_ids[-1]
+    def _propose(self) -> None:
+        """This step's proposals for running decodes (none while the batch is large, for paused
+        requests, or where n-gram lookup finds nothing); a grammar cuts them at its first rejection."""
+        cfg = self.spec
+        running = self.scheduler.running
+        large = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
+        for req in running:
+            req.spec_tokens = []
+            if large or req.num_tokens - req.num_computed_tokens != 1 or req.pending_forks:
+                continue
+            k = min(cfg.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k < 1 or not should_propose(req, cfg):
+                continue
+            drafts = self.proposer.propose(req, k)
+            if req.grammar is not None and drafts:
+                n = 0
+                while n < len(drafts) and req.grammar.accept_token(drafts[n]):
+                    n += 1
+                if n:
+                    req.grammar.rollback(n)
+                del drafts[n:]
+            req.spec_tokens = drafts
+
+    def _check_stop(self, g: _Group, seq: Request, n_out: int | None = None) -> None:
+        """Whether the n_out-th output token (default: the last) ends the sequence."""
+        n_out = len(seq.output_token_ids) if n_out is None else n_out
+        tok = seq.output_token_ids[n_out - 1]
         p = seq.params
-        n_out = len(seq.output_token_ids)
         detok = g.detoks[seq.index]
         if detok is not None:
             delta = detok.add(tok)
@@ -325,14 +388,14 @@ class LLMEngine:
                     i, st = min(hits)
                     g.texts[seq.index] = text[:i + len(st)] if p.include_stop_str_in_output else text[:i]
                     return self._finish(seq, RequestStatus.FINISHED_STOPPED, st)
-        if seq.grammar is not None and seq.grammar.is_terminated():  # it accepted a stop token where it may end
-            return self._finish(seq, RequestStatus.FINISHED_STOPPED, None)
+        if seq.grammar is not None and n_out == len(seq.output_token_ids) and seq.grammar.is_terminated():
+            return self._finish(seq, RequestStatus.FINISHED_STOPPED, None)  # it accepted a stop token where it may end
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in self.eos_token_ids:
                 return self._finish(seq, RequestStatus.FINISHED_STOPPED, None)
             if tok in p.stop_token_ids:
                 return self._finish(seq, RequestStatus.FINISHED_STOPPED, tok)
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n_out >= p.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len:
             return self._finish(seq, RequestStatus.FINISHED_LENGTH, None)
         if detok is not None:
             hold = max(map(len, p.stop), default=1) - 1  # a stop string may still be completing
@@ -347,6 +410,8 @@ class LLMEngine:
         seq.stop_reason = reason
         self.scheduler.finish(seq, status)
         self.sampler.forget(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
 
     def _output(self, g: _Group) -> RequestOutput:
         comps = []
@@ -371,6 +436,8 @@ class LLMEngine:
             return None
         for seq in g.seqs:
             self.sampler.forget(seq.request_id)
+            if self.proposer is not None:
+                self.proposer.forget(seq.request_id)
         del self.groups[g.request_id]
         return self._output(g)
 
@@ -420,4 +487,7 @@ class LLMEngine:
             num_preemptions=c.num_preemptions, prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens, peak_kv_blocks_used=c.peak_kv_blocks_used,
             peak_num_running=c.peak_num_running, num_steps=self.num_steps, block_size=bm.block_size,
-            kv_bytes_per_block=self.bytes_per_block)
+            kv_bytes_per_block=self.bytes_per_block, spec_num_drafts=self.spec_counters.num_drafts,
+            spec_num_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_counters.accepted_per_pos))

@@ -19,8 +19,9 @@ PAGED_CHUNK_MAX = 16  # query rows of a mid-sequence chunk above which it goes t
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [R, vocab] fp32: one row per request that samples this step
-    requests: list[Request]  # the requests of those rows, in order
+    logits: torch.Tensor  # [R, vocab] fp32: the rows of the requests that sample this step
+    requests: list[Request]  # those requests, in order
+    num_rows: list[int]  # rows of each: 1, or 1 + k for a speculating request (one per scored token)
 
 
 class ModelRunner:
@@ -61,6 +62,7 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        num_rows: list[int] = []
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -89,8 +91,9 @@ class ModelRunner:
             if all_logits:
                 logits_rows.extend(range(q_start, q_start + n))
             elif s.completes:
-                logits_rows.append(len(ids) - 1)
+                logits_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
                 sampled.append(req)
+                num_rows.append(1 + s.num_spec)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(dec_tables), prefills=prefills,
                                  sliding_window=self.sliding_window, op=self.op)
         if self.op is not None and paged_meta:
@@ -106,4 +109,4 @@ class ModelRunner:
             meta.decode_mask = build_decode_mask(dec_lens, width * bs, self.sliding_window)
         logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long))
-        return StepResult(logits, sampled)
+        return StepResult(logits, sampled, num_rows)

@@ -52,6 +52,12 @@ class Request:
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)
     grammar: Any = None  # structured outputs: the matcher of this sequence's grammar (structured_outputs.py)
+    # speculative decoding (spec_decode.py): this step's proposed tokens (never outputs until verified),
+    # the positions whose draft-model KV is valid, and the acceptance history that gates proposing
+    spec_tokens: list[int] = field(default_factory=list)
+    draft_computed: int = 0
+    spec_history: list[float] = field(default_factory=list)  # accepted fraction of each recent proposal
+    spec_pause: int = 0  # steps left without proposals
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,6 +72,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end): prompt, then outputs, then this step's proposals."""
+        n = self.num_tokens
+        if end > n:
+            return self.tokens_slice(start, n) + self.spec_tokens[max(0, start - n):end - n] if start < n \
+                else self.spec_tokens[start - n:end - n]
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

@@ -135,12 +135,20 @@ class Sampler:
                 row[banned] = float("-inf")
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> int:
+        probs = self._probs(row, req)
+        if probs is None:
+            return int(row.argmax())
+        return int(torch.multinomial(probs, 1, generator=self._gen(req)))
+
+    def _probs(self, row: torch.Tensor, req: Request) -> torch.Tensor | None:
+        """The distribution a sampled request draws from (temperature, top-k, min-p, top-p), or None
+        when every token is banned."""
         p = req.params
         # extreme but valid parameters (repetition_penalty 1e-300, temperature 1e-5) can overflow a logit:
         # inf stays the largest finite value and nan is never sampled, so one request never fails the batch
         row = torch.nan_to_num(row / p.temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
         if not torch.isfinite(row).any():  # every token banned (allowed_token_ids minus bad_words)
-            return int(row.argmax())
+            return None
         if p.top_k and p.top_k < row.shape[0]:
             kth = row.topk(p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -152,4 +160,72 @@ class Sampler:
             keep = sp.cumsum(-1) - sp < p.top_p
             keep[0] = True  # the most likely token, even when top_p rounds to 0 in fp32
             probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
-        return int(torch.multinomial(probs, 1, generator=self._gen(req)))
+        return probs
+
+    # ---- speculative decoding --------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, req: Request, drafts: list[int], eos_ids: set[int],
+               draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
+        """logits: [1 + k, V] fp32, row i scoring the token after the i-th scheduled one; drafts: the
+        k proposals. Returns the emitted tokens: the accepted proposals, then one of the target's own
+        (the correction at the first rejection, or a bonus token after k acceptances). Greedy accepts
+        exact matches; sampling accepts d with probability min(1, p(d) / q(d)) and on rejection draws
+        from max(p - q, 0) renormalised (q: the draft model's distribution, a point mass for n-gram
+        proposals), so the emitted tokens are distributed as p. Each row is processed (penalties,
+        min_tokens, grammar) as if the tokens before it were already outputs; a grammar's matcher
+        ends having accepted the emitted tokens."""
+        p = req.params
+        out: list[SampleResult] = []
+        n0 = len(req.output_token_ids)
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+        try:
+            for i in range(len(drafts) + 1):
+                row = logits[i].clone()
+                if self._needs_processing(req):
+                    self._process(row, req, eos_ids)
+                if req.grammar is not None:
+                    self._constrain(row[None], logits[i:i + 1], [req], [0])
+                d = drafts[i] if i < len(drafts) else None
+                if p.greedy:
+                    tok = int(row.argmax())
+                else:
+                    probs = self._probs(row, req)
+                    if probs is None:
+                        tok = int(row.argmax())
+                    elif d is None:
+                        tok = int(torch.multinomial(probs, 1, generator=self._gen(req)))
+                    else:
+                        q = draft_probs[i] if draft_probs is not None else None
+                        qd = float(q[d]) if q is not None else 1.0
+                        u = float(torch.rand(1, generator=self._gen(req)))
+                        if qd > 0 and u < min(1.0, float(probs[d]) / qd):
+                            tok = d
+                        else:
+                            resid = (probs - q).clamp_(min=0) if q is not None else probs.clone()
+                            if q is None:
+                                resid[d] = 0
+                            tok = int(torch.multinomial(resid, 1, generator=self._gen(req))) if resid.sum() > 0 \
+                                else int(probs.argmax())
+                out.append(self._result(logits[i], tok, p.logprobs))
+                req.output_token_ids.append(tok)  # the next row's context (undone below)
+                if req.grammar is not None:
+                    req.grammar.accept_token(tok)
+                if tok != d or (tok in stops and len(req.output_token_ids) >= p.min_tokens) or \
+                        (req.grammar is not None and req.grammar.is_terminated()):
+                    break
+        finally:
+            del req.output_token_ids[n0:]
+        return out
+
+    @staticmethod
+    def _result(raw: torch.Tensor, tok: int, k: int | None) -> SampleResult:
+        if k is None:
+            return SampleResult(tok, 0.0, [])
+        row = torch.log_softmax(raw, -1)
+        lp = float(row[tok])
+        top: list[tuple[int, float, int]] = []
+        if k:
+            vals, idx = row.topk(k)
+            top = [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(vals, idx))]
+        if all(t != tok for t, _, _ in top):
+            top.insert(0, (tok, lp, int((row > lp).sum()) + 1))
+        return SampleResult(tok, lp, top)

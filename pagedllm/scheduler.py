@@ -22,13 +22,14 @@ from .request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including num_spec proposed tokens
+    num_spec: int = 0  # speculative decoding: proposals scored after the last known token
 
     @property
     def completes(self) -> bool:
         """After this step the request has KV for all its known tokens: sample one more."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec == r.num_tokens
 
 
 @dataclass
@@ -138,6 +139,8 @@ class Scheduler:
         self.running.remove(req)
         self.bm.free(req.request_id)
         req.num_computed_tokens = 0
+        req.draft_computed = 0
+        req.spec_tokens = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
@@ -164,7 +167,14 @@ class Scheduler:
             num_new = min(num_new, budget)
             if num_new <= 0:
                 continue
-            while True:
+            copies = None
+            if num_new == 1 and req.spec_tokens:  # a decode with proposals: score them too, if they fit
+                del req.spec_tokens[budget - 1:]
+                copies = self.bm.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                                1 + len(req.spec_tokens), salt=req.cache_salt) if req.spec_tokens else None
+                if copies is None:
+                    req.spec_tokens.clear()  # proposals never preempt anyone
+            while copies is None:
                 copies = self.bm.allocate_slots(
                     req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
                     salt=req.cache_salt)
@@ -180,10 +190,11 @@ class Scheduler:
                     break
             if copies is None:
                 continue
+            spec = len(req.spec_tokens) if num_new == 1 else 0
             out.copies.extend(copies)
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_new + spec, spec))
             scheduled_ids.add(req.request_id)
-            budget -= num_new
+            budget -= num_new + spec
 
         if not out.preempted:
             self._admit(out, budget)
@@ -229,16 +240,23 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance progress after the model ran; append the sampled tokens."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> None:
+        """Advance progress after the model ran; append the sampled tokens. A speculating request
+        gets a list: its accepted proposals and one more; the slots of rejected ones roll back."""
         for s in out.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            tok = sampled.get(req.request_id)
-            if tok is not None:
+            toks = sampled.get(req.request_id)
+            toks = [toks] if isinstance(toks, int) else toks
+            if s.num_spec:
+                req.num_computed_tokens += len(toks)  # the last known token + the accepted proposals
+                req.spec_tokens = []
+                self.bm.truncate(req.request_id, req.num_computed_tokens)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+            if toks:
                 if not req.output_token_ids:
                     self.counters.prompt_tokens += req.num_prompt_tokens
-                req.output_token_ids.append(tok)
-                self.counters.generation_tokens += 1
+                req.output_token_ids.extend(toks)
+                self.counters.generation_tokens += len(toks)
