@@ -102,6 +102,12 @@ class LLMEngine:
         kv_dtype, cache_cls = self._kv_storage(config.kv_cache_dtype, model_dtype)
         bs = config.block_size
         bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)
+        self.spec: SpeculativeConfig | None = SpeculativeConfig.parse(config.speculative_config)
+        draft = None
+        if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
+            draft = load_model(self.spec.model, config.dtype, config.quantization)
+            dc = draft.config
+            bytes_per_token += dc.num_layers * cache_cls.bytes_per_token(dc.num_kv_heads, dc.head_dim, kv_dtype)
         bytes_per_block = bytes_per_token * bs
         num_blocks = self._num_blocks(config, bytes_per_block)
         model_max = mc.max_position_embeddings
@@ -135,14 +141,14 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids,
                                             max_threads=torch.get_num_threads()) if self.tokenizer else None
         self.sampler = Sampler(config.seed, self.runner.argmax, self.structured)
-        self.spec: SpeculativeConfig | None = SpeculativeConfig.parse(config.speculative_config)
         self.spec_counters = SpecDecodeCounters()
         self.proposer = NgramProposer(self.spec) if self.spec is not None else None
         self.draft = None
-        if self.spec is not None and self.spec.method == "draft_model":
+        if draft is not None:
             from .draft_model import DraftModel
 
-            self.draft = DraftModel(self.spec, self.runner, loaded, config)
+            self.draft = DraftModel(self.spec, self.runner, draft, num_blocks, kv_dtype, cache_cls, self.sampler,
+                                    self.structured)
             self.proposer = self.draft
         log.info("engine ready in %.1f s", time.monotonic() - t0)
 
@@ -296,9 +302,8 @@ class LLMEngine:
             if n > 1:
                 drafts = list(r.spec_tokens)
                 q = self.draft.probs.get(r.request_id) if self.draft is not None else None
-                emitted[r.request_id] = self.sampler.verify(res.logits[offset:offset + n], r, drafts,
-                                                            self.eos_token_ids, q)
-                accepted = len(emitted[r.request_id]) - 1
+                emitted[r.request_id], accepted = self.sampler.verify(res.logits[offset:offset + n], r, drafts,
+                                                                      self.eos_token_ids, q)
                 self.spec_counters.record(len(drafts), accepted)
                 record_acceptance(r, len(drafts), accepted, self.spec)
             else:
@@ -312,6 +317,8 @@ class LLMEngine:
             if seq.grammar is not None and not seq.grammar.accept_token(s.token_id):
                 log.warning("request %s: sampled token %d is outside its grammar", seq.request_id, s.token_id)
         self.scheduler.update(sched, {r.request_id: [s.token_id for s in emitted[r.request_id]] for r in res.requests})
+        if self.draft is not None:
+            self.draft.after_update([s.request for s in sched.scheduled if s.num_spec])
         for r in res.requests:
             for child in r.pending_forks:
                 self.scheduler.fork(r, child)
@@ -360,8 +367,8 @@ class LLMEngine:
                     self.max_model_len - req.num_tokens - 1)
             if k < 1 or not should_propose(req, cfg):
                 continue
-            drafts = self.proposer.propose(req, k)
-            if req.grammar is not None and drafts:
+            drafts = self.proposer.propose(req, k)  # a draft model's are placeholders until it runs
+            if req.grammar is not None and drafts and self.draft is None:
                 n = 0
                 while n < len(drafts) and req.grammar.accept_token(drafts[n]):
                     n += 1

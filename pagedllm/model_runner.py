@@ -39,8 +39,10 @@ class ModelRunner:
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
         self.op = ops.paged_attention if ops is not None and op_pool else None
 
-    def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False) -> StepResult:
-        """all_logits: logits of every scheduled token (scoring), not just the sampled rows."""
+    def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False,
+                want_logits: bool = True) -> StepResult:
+        """all_logits: logits of every scheduled token (scoring), not just the sampled rows;
+        want_logits False: KV only (a draft model mirroring the target's step)."""
         for src, dst in sched.copies:  # copy-on-write before anything writes
             for c in self.caches:
                 c.copy_block(src, dst)
@@ -90,7 +92,7 @@ class ModelRunner:
                                            build_mask(n, ctx, self.sliding_window)))
             if all_logits:
                 logits_rows.extend(range(q_start, q_start + n))
-            elif s.completes:
+            elif s.completes and want_logits:
                 logits_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
                 sampled.append(req)
                 num_rows.append(1 + s.num_spec)

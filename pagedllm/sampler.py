@@ -164,7 +164,7 @@ class Sampler:
 
     # ---- speculative decoding --------------------------------------------------------------
     def verify(self, logits: torch.Tensor, req: Request, drafts: list[int], eos_ids: set[int],
-               draft_probs: torch.Tensor | None = None) -> list[SampleResult]:
+               draft_probs: torch.Tensor | None = None) -> tuple[list[SampleResult], int]:
         """logits: [1 + k, V] fp32, row i scoring the token after the i-th scheduled one; drafts: the
         k proposals. Returns the emitted tokens: the accepted proposals, then one of the target's own
         (the correction at the first rejection, or a bonus token after k acceptances). Greedy accepts
@@ -172,9 +172,11 @@ class Sampler:
         from max(p - q, 0) renormalised (q: the draft model's distribution, a point mass for n-gram
         proposals), so the emitted tokens are distributed as p. Each row is processed (penalties,
         min_tokens, grammar) as if the tokens before it were already outputs; a grammar's matcher
-        ends having accepted the emitted tokens."""
+        ends having accepted the emitted tokens. Also returns how many proposals were accepted (all
+        emitted but the last, unless a stop token among the proposals ended it)."""
         p = req.params
         out: list[SampleResult] = []
+        accepted = 0
         n0 = len(req.output_token_ids)
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
         try:
@@ -205,7 +207,9 @@ class Sampler:
                                 resid[d] = 0
                             tok = int(torch.multinomial(resid, 1, generator=self._gen(req))) if resid.sum() > 0 \
                                 else int(probs.argmax())
+                            d = None  # rejected: the token drawn is the target's own, even if it equals d
                 out.append(self._result(logits[i], tok, p.logprobs))
+                accepted += tok == d
                 req.output_token_ids.append(tok)  # the next row's context (undone below)
                 if req.grammar is not None:
                     req.grammar.accept_token(tok)
@@ -214,7 +218,7 @@ class Sampler:
                     break
         finally:
             del req.output_token_ids[n0:]
-        return out
+        return out, accepted
 
     @staticmethod
     def _result(raw: torch.Tensor, tok: int, k: int | None) -> SampleResult:

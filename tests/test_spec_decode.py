@@ -176,7 +176,7 @@ def test_rejection_sampling_keeps_the_target_distribution(with_draft_probs):  # 
         s = Sampler(seed)
         r = Request(str(seed), [1], SamplingParams(temperature=1.0, seed=seed, max_tokens=8))
         drafts = fixed if q is None else [int(torch.multinomial(q[i], 1, generator=draw)) for i in range(2)]
-        out = s.verify(logits, r, drafts, set(), q)
+        out, _ = s.verify(logits, r, drafts, set(), q)
         firsts[out[0].token_id] += 1
         if out[0].token_id == drafts[0]:
             seconds[out[1].token_id] += 1
@@ -205,3 +205,53 @@ def test_sampled_engine_outputs_follow_the_same_distribution(llama_dir):  # noqa
     vals = sorted(set(plain) | set(spec))
     a, b = [plain.count(v) for v in vals], [spec.count(v) for v in vals]
     assert _two_sample_p(a, b) > 1e-3, (vals, a, b)
+
+
+@pytest.mark.parametrize("draft,options", [
+    ("self", dict()),  # the target as its own draft: every proposal should be accepted
+    ("self", dict(num_kv_blocks=24, block_size=4)),  # preemption: both pools roll back together
+    ("qwen2", dict(max_num_batched_tokens=16)),  # a different model (mostly rejected), next to chunked prefill
+])
+def test_greedy_outputs_are_token_identical_with_a_draft_model(tiny_models, draft, options):  # noqa: ANN001
+    target = tiny_models["llama"][0]
+    cfg = {"method": "draft_model", "model": target if draft == "self" else tiny_models[draft][0],
+           "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    prompts = _repetitive_prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    base = _outputs(LLM(target, **options), prompts, params)
+    llm = LLM(target, speculative_config=cfg, **options)
+    assert _outputs(llm, prompts, params) == base
+    st = llm.stats()
+    assert st.spec_num_drafts > 0
+    if draft == "self" and "num_kv_blocks" not in options:
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens  # identical models agree on every token
+    if "num_kv_blocks" in options:
+        assert st.num_preemptions > 0
+
+
+def test_draft_model_sampling(tiny_models):  # noqa: ANN001
+    target = tiny_models["llama"][0]
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3,
+                                          "disable_by_batch_size": None})
+    outs = llm.generate(_repetitive_prompts(4, seed=5), SamplingParams(temperature=0.9, seed=1, max_tokens=24,
+                                                                       ignore_eos=True, n=2))
+    assert all(len(c.token_ids) == 24 for o in outs for c in o.outputs)
+    assert llm.stats().spec_num_accepted_tokens > 0
+
+
+def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):  # noqa: ANN001
+    import re
+
+    from pagedllm.loader import default_model_path
+
+    pattern = r"(ab|cd){8}[0-9]{3}"
+    cfg = {"method": "draft_model", "model": chat_model_dir, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": pattern})
+    base = LLM(chat_model_dir).generate(["ab cd", "cdcd"], params)
+    llm = LLM(chat_model_dir, speculative_config=cfg)
+    spec = llm.generate(["ab cd", "cdcd"], params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in spec)
+    assert llm.stats().spec_num_accepted_tokens == llm.stats().spec_num_draft_tokens > 0  # masked like the target
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(chat_model_dir, speculative_config={"method": "draft_model", "model": str(default_model_path())})

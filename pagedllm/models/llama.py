@@ -285,6 +285,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, cache in zip(self.layers, caches):
             x, residual = layer(x, residual, cos, sin, cache, meta)
+        if logits_indices.numel() == 0:  # KV only (a draft model mirroring a step)
+            return torch.zeros(0, self.cfg.vocab_size)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
         if self.lm_head.packed is not None:
