@@ -31,11 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "reserve"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": PATH}\'')
 
 
 ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads")
+               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads", "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -255,3 +255,27 @@ def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):  #
     assert llm.stats().spec_num_accepted_tokens == llm.stats().spec_num_draft_tokens > 0  # masked like the target
     with pytest.raises(ConfigError, match="vocabulary"):
         LLM(chat_model_dir, speculative_config={"method": "draft_model", "model": str(default_model_path())})
+
+
+def test_server_flag_and_prometheus_counters(chat_model_dir):  # noqa: ANN001
+    import httpx
+    from test_server import Server
+
+    srv = Server(chat_model_dir, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                 '"prompt_lookup_min": 1}')
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "prompt": "the cat sat on the mat, the cat sat on the mat, the cat sat on the", "max_tokens": 24,
+            "temperature": 0})
+        assert r.status_code == 200
+        assert srv.metric("spec_decode_num_drafts_total") > 0
+        assert srv.metric("spec_decode_num_draft_tokens_total") >= srv.metric("spec_decode_num_accepted_tokens_total") > 0
+        assert srv.metric("spec_decode_num_accepted_tokens_per_pos_total", '{position="0"}') > 0
+    finally:
+        assert srv.stop() == 0
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--model", chat_model_dir,
+                        "--speculative-config", '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "medusa" in r.stderr, r.stderr  # a bad config is refused with the reason

@@ -20,6 +20,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default="none", choices=["none", "llama-cpp"],
                    help="llama-cpp: the same prompts through llama.cpp on the same weights (the same GGUF file; "
                         "its F32 copy with --quantization none)")
+    p.add_argument("--speculative", default=None,
+                   help="a speculative_config (JSON) to compare with no speculation, iterations alternated, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the measured requests "
+                                                                     "(seeded per iteration)")
+    p.add_argument("--workload", default="random", choices=["random", "grounded"],
+                   help="random token prompts, or chat prompts that rewrite / copy / quote a passage (bench/passages.py; "
+                        "greedy, each run stops at EOS or --output-len)")
 
 
 def prompt_ids(vocab_size: int, input_len: int, seed: int) -> list[int]:
@@ -27,10 +35,21 @@ def prompt_ids(vocab_size: int, input_len: int, seed: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(input_len)]
 
 
-def measure(engine: LLMEngine, input_len: int, output_len: int, seed: int) -> dict:
-    ids = prompt_ids(engine.model_config.vocab_size, input_len, seed)
+def grounded_ids(engine: LLMEngine, i: int) -> list[int]:
+    from .passages import grounded_messages
+
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template(grounded_messages(i + 1)[i]), add_special_tokens=False)
+
+
+def measure(engine: LLMEngine, input_len: int, output_len: int, seed: int, ids: list[int] | None = None,
+            temperature: float = 0.0) -> dict:
+    """ids given (a grounded prompt): until EOS or output_len; else random tokens, EOS ignored."""
+    grounded = ids is not None
+    ids = ids if grounded else prompt_ids(engine.model_config.vocab_size, input_len, seed)
+    st = engine.stats()
     engine.add_request(None, {"prompt_token_ids": ids},
-                       SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+                       SamplingParams(temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=not grounded))
     t0 = now()
     first = None
     n = 0
@@ -41,18 +60,60 @@ def measure(engine: LLMEngine, input_len: int, output_len: int, seed: int) -> di
                 first = now()
     end = now()
     decode_s = end - first
+    st2 = engine.stats()
     return {"ttft_s": first - t0, "decode_tokens_per_s": (n - 1) / decode_s if n > 1 else 0.0,
-            "e2e_s": end - t0, "output_tokens": n}
+            "e2e_s": end - t0, "output_tokens": n, "prompt_tokens": len(ids),
+            "draft_tokens": st2.spec_num_draft_tokens - st.spec_num_draft_tokens,
+            "accepted_tokens": st2.spec_num_accepted_tokens - st.spec_num_accepted_tokens,
+            "drafts": st2.spec_num_drafts - st.spec_num_drafts}
+
+
+def speculative(args: argparse.Namespace, kw: dict) -> dict:
+    """No speculation vs args.speculative, same prompts, iterations alternated between two engines."""
+    plain = LLMEngine(EngineConfig(**kw))
+    spec = LLMEngine(EngineConfig(**{**kw, "speculative_config": args.speculative}))
+    runs: dict[str, list[dict]] = {"pagedllm": [], "pagedllm + speculative": []}
+    n = args.num_iters
+    for i in range(-args.num_iters_warmup, n):
+        pair = (("pagedllm", plain), ("pagedllm + speculative", spec))
+        for name, e in pair if i % 2 == 0 else pair[::-1]:  # who goes first alternates too
+            ids = grounded_ids(e, i % max(n, 1)) if args.workload == "grounded" else None
+            r = measure(e, args.input_len, args.output_len if i >= 0 else 8, args.seed + i, ids, args.temperature)
+            if i >= 0:
+                runs[name].append(r)
+    keys = ("ttft_s", "decode_tokens_per_s", "e2e_s")
+    rows = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
+    sr = runs["pagedllm + speculative"]
+    drafted, accepted, drafts = (sum(r[k] for r in sr) for k in ("draft_tokens", "accepted_tokens", "drafts"))
+    ratios = [b["decode_tokens_per_s"] / a["decode_tokens_per_s"] for a, b in zip(runs["pagedllm"], sr)]
+    summary = {"speedup_median": statistics.median(ratios), "speedups": ratios,
+               "acceptance_rate": accepted / drafted if drafted else 0.0,
+               "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,  # tokens per verification pass
+               "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+               "mean_output_tokens": statistics.mean(r["output_tokens"] for r in sr)}
+    print(f"{args.workload} prompts, up to {args.output_len} output tokens, {n} runs (median), speculative {args.speculative}:")
+    print(f"  {'':24s} {'TTFT ms':>9s} {'decode tok/s':>13s} {'e2e s':>7s}")
+    for name, r in rows.items():
+        print(f"  {name:24s} {r['ttft_s'] * 1000:9.1f} {r['decode_tokens_per_s']:13.1f} {r['e2e_s']:7.2f}")
+    print(f"  decode speedup {summary['speedup_median']:.2f}x (per run: {', '.join(f'{x:.2f}' for x in ratios)}); "
+          f"acceptance {summary['acceptance_rate']:.1%} of {drafted} proposed tokens, "
+          f"{summary['mean_accepted_length']:.2f} tokens per verification pass")
+    report = make_report("latency", args, kw, runs=runs, medians=rows, speculative=summary)
+    write_json(args.json, report)
+    return report
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     kw = dict(engine_kwargs)
     kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens") or 0, args.input_len)
     kw["enable_prefix_caching"] = False  # every iteration measures a real prefill
+    if args.speculative is not None:
+        return speculative(args, kw)
     engine = LLMEngine(EngineConfig(**kw))
     for i in range(args.num_iters_warmup):
         measure(engine, args.input_len, min(args.output_len, 8), args.seed + 1000 + i)
-    runs = [measure(engine, args.input_len, args.output_len, args.seed + i) for i in range(args.num_iters)]
+    runs = [measure(engine, args.input_len, args.output_len, args.seed + i, temperature=args.temperature)
+            for i in range(args.num_iters)]
     keys = ("ttft_s", "decode_tokens_per_s", "e2e_s")
     summary = {k: statistics.median(r[k] for r in runs) for k in keys}
     rows = {"pagedllm": summary}

@@ -58,50 +58,62 @@ def _peak_rss(pid: int) -> int:
     return 0
 
 
+class LlamaServer:
+    """llama-server on a free loopback port for the duration of a with block: `base` is its URL."""
+
+    def __init__(self, server: str, args: list[str]) -> None:
+        self.port = free_port()
+        self.cmd = [server, "--host", "127.0.0.1", "--port", str(self.port), "--no-webui", *args]
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LlamaServer:
+        log.info("starting %s", " ".join(self.cmd))
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("llama-server did not become healthy within 300 s")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def post(self, path: str, body: dict, timeout: float = 3600) -> dict:
+        return _post(self.base + path, body, timeout)
+
+
 def run_llama_server(model: Path, work: list[WorkItem], server: str, slots: int, threads: int) -> dict:
     """The workload through llama-server; the row has the fields of throughput.result_row."""
     from .throughput import result_row
 
     ctx = max(len(w.prompt_token_ids) + w.max_tokens for w in work) + 16
-    port = free_port()
-    cmd = [server, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * ctx), "-t", str(threads), "-tb", str(threads), "--cont-batching", "--no-webui"]
-    log.info("starting %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not become healthy within 300 s")
-            time.sleep(0.2)
-
+    with LlamaServer(server, ["-m", str(model), "-np", str(slots), "-c", str(slots * ctx), "-t", str(threads),
+                              "-tb", str(threads), "--cont-batching"]) as srv:
         def one(w: WorkItem) -> dict:
-            return _post(base + "/completion", {"prompt": w.prompt_token_ids, "n_predict": w.max_tokens,
-                                                "temperature": 0.0, "top_k": 1, "ignore_eos": True,
-                                                "cache_prompt": False, "return_tokens": True}, timeout=3600)
+            return srv.post("/completion", {"prompt": w.prompt_token_ids, "n_predict": w.max_tokens,
+                                            "temperature": 0.0, "top_k": 1, "ignore_eos": True,
+                                            "cache_prompt": False, "return_tokens": True})
 
         one(WorkItem(work[0].prompt_token_ids[:16], 8))  # warm-up
         t0 = now()
         with ThreadPoolExecutor(max_workers=len(work)) as pool:
             results = list(pool.map(one, work))
         wall = now() - t0
-        rss = _peak_rss(proc.pid)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        rss = _peak_rss(srv.proc.pid)
     out_tokens = sum(int(r.get("tokens_predicted", 0)) for r in results)
     version = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
     return result_row(f"llama-server -np {slots}", work, wall, out_tokens, rss, slots=slots, threads=threads,

@@ -138,8 +138,10 @@ def run_hf_static(model_path: str, work: list[WorkItem], batch_size: int, progre
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="mixed", help="mixed | shared-prefix | FILE.jsonl")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--baseline", nargs="+", default=["hf-static"], choices=["hf-static", "vllm", "llama-server", "none"],
-                   help="one or more; vllm needs --vllm-python, llama-server --llama-server (a GGUF model)")
+    p.add_argument("--baseline", nargs="+", default=["hf-static"],
+                   choices=["hf-static", "vllm", "llama-server", "no-speculation", "none"],
+                   help="one or more; vllm needs --vllm-python, llama-server --llama-server (a GGUF model); "
+                        "no-speculation: pagedllm without --speculative-config, same process")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary (else LLAMA_SERVER or PATH)")
     p.add_argument("--llama-server-slots", type=int, default=16, help="llama-server -np: its continuous-batching slots")
     p.add_argument("--vllm-python", default=None,
@@ -155,7 +157,16 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     rows = [run_pagedllm(engine, work, not args.no_progress)]
     kv_bytes = engine.block_manager.num_blocks * engine.bytes_per_block
     threads = engine.config.num_threads or len(os.sched_getaffinity(0))
+    if engine.spec is not None:
+        rows[0]["system"] += " + spec"
+        st = engine.stats()
+        rows[0]["spec_acceptance_rate"] = st.spec_num_accepted_tokens / max(1, st.spec_num_draft_tokens)
+        rows[0]["spec_num_drafts"] = st.spec_num_drafts
     del engine
+    if "no-speculation" in args.baseline:
+        plain = LLMEngine(EngineConfig(**{**engine_kwargs, "speculative_config": None}))
+        rows.append(run_pagedllm(plain, work, not args.no_progress))
+        del plain
     if "llama-server" in args.baseline:
         from ..loader import default_model_path
         from .llama_server import find_server, run_llama_server

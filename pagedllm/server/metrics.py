@@ -34,11 +34,20 @@ class _StatsCollector:
             (C, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
             (C, "prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_cache_hits),
             (C, "num_preemptions", "Requests preempted (recomputed later)", s.num_preemptions),
+            # speculative decoding, vLLM's names
+            (C, "spec_decode_num_drafts", "Proposals made", s.spec_num_drafts),
+            (C, "spec_decode_num_draft_tokens", "Tokens proposed", s.spec_num_draft_tokens),
+            (C, "spec_decode_num_accepted_tokens", "Proposed tokens accepted", s.spec_num_accepted_tokens),
         ]
         for family, name, doc, value in families:
             m = family(f"pagedllm:{name}", doc)
             m.add_metric([], value)
             yield m
+        per_pos = CounterMetricFamily("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Proposed tokens accepted, by position in the proposal", labels=["position"])
+        for i, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
 
 
 class ServerMetrics:
