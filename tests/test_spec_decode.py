@@ -79,10 +79,12 @@ def _repetitive_prompts(n: int, vocab: int = 320, seed: int = 0) -> list[dict]:
 
 
 @pytest.mark.parametrize("options", [
-    dict(),  # one batch, all at once
-    dict(max_num_seqs=1),  # one at a time
-    dict(max_num_batched_tokens=16),  # chunked prefill next to speculating decodes
-    dict(num_kv_blocks=24, block_size=4),  # preemption (recompute) mid-speculation
+    dict(dtype="float32"),  # one batch, all at once
+    dict(dtype="float32", max_num_seqs=1),  # one at a time
+    dict(dtype="float32", max_num_batched_tokens=16),  # chunked prefill next to speculating decodes
+    dict(dtype="float32", num_kv_blocks=24, block_size=4),  # preemption (recompute) mid-speculation
+    dict(),  # the CPU's auto dtype (bf16 with AVX512-BF16)
+    dict(kv_cache_dtype="fp8_e4m3"),
 ])
 def test_greedy_outputs_are_token_identical_with_ngram(llama_dir, options):  # noqa: ANN001
     prompts = _repetitive_prompts(8)
