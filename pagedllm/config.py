@@ -61,6 +61,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "reserve": reserve prompt+max_tokens, never preempt
     watermark: float = 0.01  # fraction of blocks admission keeps free
     num_threads: int | None = None
+    tensor_parallel_size: int = 1  # worker processes over torch.distributed (tensor_parallel.py)
     speculative_config: dict | str | None = None  # vLLM's: {"method": "ngram" | "draft_model", ...} (spec_decode.py)
 
     def __post_init__(self) -> None:
@@ -88,6 +89,8 @@ class EngineConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.speculative_config is not None:
             from .spec_decode import SpeculativeConfig
 

@@ -93,7 +93,21 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
-        loaded = load_model(config.model, config.dtype, config.quantization)
+        self.tp = None
+        self._tp_gone: list[str] = []  # finished since the last step: the workers drop their tables
+        if config.tensor_parallel_size > 1:
+            if config.speculative_config is not None and SpeculativeConfig.parse(config.speculative_config).method \
+                    == "draft_model":
+                raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
+            from .tensor_parallel import TPDriver
+
+            self.tp = TPDriver(config)
+        try:
+            loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -101,6 +115,7 @@ class LLMEngine:
         model_dtype = loaded.dtype
         kv_dtype, cache_cls = self._kv_storage(config.kv_cache_dtype, model_dtype)
         bs = config.block_size
+        # all ranks together: each holds its KV heads' share of every block
         bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)
         self.spec: SpeculativeConfig | None = SpeculativeConfig.parse(config.speculative_config)
         draft = None
@@ -132,6 +147,8 @@ class LLMEngine:
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark)
         self.runner = ModelRunner(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
+        if self.tp is not None:
+            self.tp.setup(num_blocks, bs, kv_dtype, cache_cls)
         self.groups: dict[str, _Group] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -277,6 +294,8 @@ class LLMEngine:
         for seq in g.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+                if self.tp is not None:
+                    self._tp_gone.append(seq.request_id)
         return self._finalize_if_done(g)
 
     def has_unfinished_requests(self) -> bool:
@@ -292,6 +311,9 @@ class LLMEngine:
         self.num_steps += 1
         if self.draft is not None:
             self.draft.run(sched, self.block_manager.tables)
+        if self.tp is not None:  # the workers run the same step on their shards
+            gone, self._tp_gone = self._tp_gone, []
+            self.tp.step(sched, self.block_manager.tables, gone)
         res = self.runner.execute(sched, self.block_manager.tables)
         # a leader finishing its prompt also samples the first token of each of its forks; a speculating
         # request verifies its proposals over its 1 + k rows
@@ -417,6 +439,8 @@ class LLMEngine:
         seq.stop_reason = reason
         self.scheduler.finish(seq, status)
         self.sampler.forget(seq.request_id)
+        if self.tp is not None:
+            self._tp_gone.append(seq.request_id)
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)
 
@@ -447,6 +471,11 @@ class LLMEngine:
                 self.proposer.forget(seq.request_id)
         del self.groups[g.request_id]
         return self._output(g)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- introspection -------------------------------------------------------------------
     def kv_snapshot(self) -> dict:

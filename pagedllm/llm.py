@@ -81,6 +81,16 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op at tensor_parallel_size=1)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def kv_snapshot(self) -> dict:
         """The KV pool block by block (what the server's /dashboard draws); see LLMEngine.kv_snapshot."""
         return self.engine.kv_snapshot()

@@ -26,6 +26,7 @@ from .errors import ModelLoadError
 from .formats import FORMATS, GGML_KERNEL_FORMATS, QUANTIZE_AT_LOAD, WeightFormat, format_of_ggml
 from .kernels import Ops, auto_dtype, load_ops
 from .models.llama import LlamaForCausalLM, ModelConfig
+from .tensor_parallel import TPGroup, shard_model
 from .tokenizer import Tokenizer
 from .weight_formats import GGMLWeight, quantize
 
@@ -60,18 +61,22 @@ def default_model_path() -> Path:
 
 
 def load_model(model: str | os.PathLike | None, dtype: str = "auto",
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, tp: TPGroup | None = None) -> LoadedModel:
     """quantization: None runs the weights as stored (a GGUF's own formats); "none" dequantizes a GGUF
-    to `dtype`; q8_0 / q4_0 / q4_1 / q5_0 / q5_1 quantize the linears at load."""
+    to `dtype`; q8_0 / q4_0 / q4_1 / q5_0 / q5_1 quantize the linears at load. tp: keep this rank's
+    shard (tensor_parallel.py), cut from the dense weights before they are quantized or packed."""
     path = Path(model) if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (no hub downloads: give a local folder or .gguf)")
     if quantization not in (None, "none", *QUANTIZE_AT_LOAD):
         raise ModelLoadError(f"quantization must be none or one of {QUANTIZE_AT_LOAD}, got {quantization!r}")
     if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path, dtype, quantization)
+        if tp is not None and quantization != "none":
+            raise ModelLoadError("tensor parallelism shards dense weights: load a GGUF with quantization='none' "
+                                 "(--quantization none); its own block formats are not sharded yet")
+        return load_gguf(path, dtype, quantization, tp)
     if path.is_dir() and (path / "config.json").exists():
-        return load_hf_folder(path, dtype, quantization)
+        return load_hf_folder(path, dtype, quantization, tp)
     raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
 
 
@@ -108,7 +113,8 @@ def _use_kernels(model: LlamaForCausalLM, ops: Ops | None, tdtype: torch.dtype) 
         model.to(tdtype)
 
 
-def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None) -> LoadedModel:
+def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None,
+                   tp: TPGroup | None = None) -> LoadedModel:
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -129,6 +135,8 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     model.load_hf_state_dict(sd)
     del sd
     model.eval()
+    if tp is not None:
+        shard_model(model, tp)
     ops = _kernels_for(tdtype)
     if quantization not in (None, "none"):
         if ops is None:
@@ -293,7 +301,8 @@ class _GGUFTensors:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) -> LoadedModel:
+def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
+              tp: TPGroup | None = None) -> LoadedModel:
     """A GGUF file. Linears in a format with a kernel (Q4_0 .. Q8_0, K-quants) run as the file stores
     them, memory-mapped; other formats are dequantized at load (a warning names them). quantization:
     None runs the file's formats, "none" dequantizes everything (the fp32 / bf16 reference), a format
@@ -390,6 +399,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None) 
     if left:
         raise ModelLoadError(f"{path}: weights missing from the file: {left[:4]}")
     model.eval()
+    if tp is not None:  # dense weights only (quantization="none", checked by load_model)
+        shard_model(model, tp)
     _use_kernels(model, ops, tdtype)
     f.drop_metadata()
     model.gguf = f  # keeps the map (the weights used in place) alive as long as the model

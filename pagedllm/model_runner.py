@@ -33,7 +33,8 @@ class ModelRunner:
         ops = model.ops  # the loader packed the weights for them (or left the model on torch)
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
         self.sliding_window = cfg.sliding_window
-        self.caches = [cache_factory(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.dtype)
+        kv_heads = model.layers[0].num_kv_heads  # this rank's, under tensor parallelism
+        self.caches = [cache_factory(num_blocks, block_size, kv_heads, cfg.head_dim, kv_dtype, self.dtype)
                        for _ in range(cfg.num_layers)]
         self.argmax = ops.argmax_rows if ops is not None else None
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache

@@ -147,6 +147,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
         self.ops: Ops | None = None
+        self.tp = None  # tensor parallelism (tensor_parallel.py): this rank's heads and MLP slice
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if layer.packed is None:
@@ -170,15 +171,20 @@ class DecoderLayer(nn.Module):
             q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
             k = k * cos + rotate_half(k) * sin
         a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
-        h, residual = self.post_attention_layernorm(self._linear(a.view(t, self.q_size), self.o_proj), residual,
-                                                    self.ops)
+        o = self._linear(a.view(t, self.q_size), self.o_proj)
+        if self.tp is not None:  # row-parallel: the ranks' partial sums
+            self.tp.all_reduce(o)
+        h, residual = self.post_attention_layernorm(o, residual, self.ops)
         gate_up = self._linear(h, self.gate_up_proj)  # [T, 2 * intermediate]
         if self.ops is not None:
             act = self.ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return self._linear(act, self.down_proj), residual
+        out = self._linear(act, self.down_proj)
+        if self.tp is not None:
+            self.tp.all_reduce(out)
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -196,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_len = 0
         self.ops: Ops | None = None
+        self.tp = None  # tensor parallelism: vocab-parallel embedding and lm_head over vocab_range
+        self.vocab_range = (0, cfg.vocab_size)
 
     def _linears(self) -> list[nn.Linear]:
         per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
@@ -279,6 +287,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
         if self.embed_packed is not None:
             x = self.embed_packed.rows(input_ids)  # [T, hidden] fp32
+        elif self.tp is not None:  # this rank's rows of the table; the others' come from the all-reduce
+            lo, hi = self.vocab_range
+            mine = (input_ids >= lo) & (input_ids < hi)
+            x = self.embed_tokens((input_ids - lo).clamp(0, hi - lo - 1)) * mine.unsqueeze(1)  # [T, hidden]
+            self.tp.all_reduce(x)
         else:
             x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
@@ -289,9 +302,8 @@ class LlamaForCausalLM(nn.Module):
             return torch.zeros(0, self.cfg.vocab_size)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
-        if self.lm_head.packed is not None:
-            return self.lm_head.packed.matmul(x)
-        return self.lm_head(x).float()
+        logits = self.lm_head.packed.matmul(x) if self.lm_head.packed is not None else self.lm_head(x).float()
+        return logits if self.tp is None else self.tp.all_gather_last(logits)  # [R, vocab]
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Load HF-named weights (model.layers.N.self_attn.q_proj.weight ...), fusing q/k/v
