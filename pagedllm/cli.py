@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .config import DTYPES
@@ -31,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "reserve"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="worker processes over torch.distributed (gloo on CPU); under torchrun, ranks > 0 serve "
+                        "as workers")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": PATH}\'')
@@ -38,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads", "speculative_config")
+               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads", "speculative_config",
+               "tensor_parallel_size")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -281,7 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                 timeout_graceful_shutdown=args.shutdown_timeout)
-    return 0
+    return 1 if getattr(app.state, "fatal", None) else 0  # a lost tensor-parallel worker is a failure
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -410,12 +415,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_torchrun_worker(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
+    from .tensor_parallel import run_worker
+
+    config = EngineConfig(**engine_kwargs(args))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ValueError(f"torchrun WORLD_SIZE={world} differs from --tensor-parallel-size {config.tensor_parallel_size}")
+    run_worker(rank, world, "env://", config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
+            return run_torchrun_worker(args)  # torchrun rank > 0: a worker of rank 0's engine
         return args.func(args)
     except (PagedLLMError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

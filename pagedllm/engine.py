@@ -99,8 +99,10 @@ class LLMEngine:
             if config.speculative_config is not None and SpeculativeConfig.parse(config.speculative_config).method \
                     == "draft_model":
                 raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
-            from .tensor_parallel import TPDriver
+            from .loader import peek_config
+            from .tensor_parallel import TPDriver, check_divisible
 
+            check_divisible(peek_config(config.model), config.tensor_parallel_size)  # before any process starts
             self.tp = TPDriver(config)
         try:
             loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None)

@@ -80,6 +80,18 @@ def load_model(model: str | os.PathLike | None, dtype: str = "auto",
     raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
 
 
+def peek_config(model: str | os.PathLike | None) -> ModelConfig:
+    """A model's shape without its weights (for checks before anything is loaded)."""
+    path = Path(model) if model else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        f = _GGUFTensors(path)
+        return ModelConfig.from_hf(gguf_hf_config(f.meta, set(f.by_name)))
+    try:
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
 def _resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[dtype]

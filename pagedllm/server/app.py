@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -109,6 +110,16 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
               max_queue_len: int = 1024, max_body_bytes: int = 8 * 2**20,
               trust_request_chat_template: bool = False) -> FastAPI:
     engine = AsyncEngine(config, max_queue_len=max_queue_len)
+
+    def fatal(reason: str) -> None:  # a tensor-parallel worker died: fail requests (done), then shut down
+        import os
+        import signal
+
+        logging.getLogger("pagedllm.server").error("engine stopped for good (%s); shutting down", reason)
+        app.state.fatal = reason
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    engine.on_fatal = fatal
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202

@@ -20,6 +20,7 @@ from ..engine import EngineStats, LLMEngine, PromptType
 from ..errors import InvalidRequestError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..tensor_parallel import WorkerDiedError
 from .metrics import ServerMetrics
 
 log = logging.getLogger("pagedllm.server")
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._stopping = False
         self.last_progress = time.monotonic()
         self.loop_error: str | None = None
+        self.on_fatal = None  # called (with the reason) when the engine can never step again
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -266,6 +268,12 @@ class AsyncEngine:
                     out = self.engine.abort(rid)
                     if out is not None:
                         self._deliver(out)
+                if isinstance(e, WorkerDiedError):  # the engine cannot step again: stop, /ready says so
+                    self._stopping = True
+                    self.engine.shutdown()
+                    if self.on_fatal is not None:
+                        self.on_fatal(self.loop_error)
+                    return
                 self.loop_error = None
                 continue
             if self.engine.num_steps == steps:  # nothing could be scheduled: wait for a change, never spin

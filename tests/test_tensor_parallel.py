@@ -1,0 +1,106 @@
+"""Tensor parallelism at TP=2 (gloo, two processes of one thread each) against TP=1."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from pagedllm import LLM, ConfigError, SamplingParams
+from pagedllm.block_manager import BlockManager
+from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.tensor_parallel import StepPlan, TPDriver, WorkerDiedError, apply_tables, plan_to_sched
+
+OPTIONS = dict(dtype="float32", num_threads=1, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24)
+
+
+def _prompts(seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 320) for _ in range(12)]  # 3 blocks every prompt shares: prefix hits
+    return [{"prompt_token_ids": shared + [rng.randrange(3, 320) for _ in range(rng.randint(3, 30))]}
+            for _ in range(6)]
+
+
+def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
+    first = llm.generate(_prompts(seed)[:1], params)  # computed first: the others hit its prefix
+    rest = llm.generate(_prompts(seed)[1:], params)
+    return [[c.token_ids for c in o.outputs] for o in first + rest]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):  # noqa: ANN001
+    path = tiny_models[arch][0]
+    base = LLM(path, **OPTIONS)
+    expected = _run(base, 1)
+    assert base.stats().num_preemptions > 0 and base.stats().prefix_cache_hits > 0  # the paths are exercised
+    with LLM(path, tensor_parallel_size=2, **OPTIONS) as tp:
+        assert _run(tp, 1) == expected
+        st = tp.stats()
+        assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
+        assert tp.engine.runner.caches[0].k.shape[2] == 1  # each rank holds 1 of the 2 KV heads
+
+
+def test_plan_diffs_rebuild_the_drivers_tables():
+    """What the workers reconstruct equals the driver's state after appends, copy-on-write, rollback, frees."""
+    bm = BlockManager(num_blocks=16, block_size=2)
+    driver = TPDriver.__new__(TPDriver)  # only its diffing, no processes
+    driver._sent = {}
+    sent: list[StepPlan] = []
+    driver._send = sent.append
+    worker: dict[str, list[int]] = {}
+
+    class Req:
+        def __init__(self, rid: str, toks: list[int]) -> None:
+            self.request_id, self.toks, self.num_computed_tokens = rid, toks, 0
+
+        @property
+        def num_tokens(self) -> int:
+            return len(self.toks)
+
+        def tokens_slice(self, a: int, b: int) -> list[int]:
+            return self.toks[a:b]
+
+    a = Req("a", [1, 2, 3])
+    bm.allocate_slots("a", a.toks, 0, 3)
+    driver.step(SchedulerOutput([ScheduledRequest(a, 3)]), bm.tables, [])
+    bm.fork("a", "b")
+    b = Req("b", [1, 2, 3, 9])
+    b.num_computed_tokens = 3
+    copies = bm.allocate_slots("b", b.toks, 3, 1)  # copy-on-write of the shared half block
+    driver.step(SchedulerOutput([ScheduledRequest(b, 1)], copies), bm.tables, [])
+    bm.allocate_slots("a", a.toks + [4, 5, 6, 7, 8], 3, 5)
+    bm.truncate("a", 5)  # rolled back
+    a.num_computed_tokens = 3
+    driver.step(SchedulerOutput([ScheduledRequest(a, 1)]), bm.tables, [])
+    bm.free("b")
+    driver.step(SchedulerOutput([ScheduledRequest(a, 1)]), bm.tables, ["b"])
+    for plan in sent:
+        apply_tables(worker, plan)
+    assert worker == {"a": bm.table("a")} and sent[1].copies == copies
+    rebuilt = plan_to_sched(sent[1]).scheduled[0]
+    assert (rebuilt.request.tokens_slice(3, 4), rebuilt.completes) == ([9], True)
+
+
+def test_divisibility_is_a_clear_startup_error(tiny_models):  # noqa: ANN001
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads"):
+        LLM(tiny_models["llama"][0], tensor_parallel_size=3)
+
+
+def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):  # noqa: ANN001
+    llm = LLM(tiny_models["llama"][0], tensor_parallel_size=2, **OPTIONS)
+    try:
+        llm.generate(_prompts(2)[:2], SamplingParams(max_tokens=4))
+        (worker,) = llm.engine.tp.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=f"pid {worker.pid}"):  # found by the liveness check
+            llm.generate(_prompts(2)[:1], SamplingParams(max_tokens=4))
+        print(f"detected in {time.monotonic() - t0:.3f} s")
+    finally:
+        llm.shutdown()
+    assert llm.engine.tp.closed
