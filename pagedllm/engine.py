@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -104,6 +105,7 @@ class LLMEngine:
 
             check_divisible(peek_config(config.model), config.tensor_parallel_size)  # before any process starts
             self.tp = TPDriver(config)
+            weakref.finalize(self, self.tp.close)  # the workers stop with the engine, or at exit
         try:
             loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None)
         except BaseException:

@@ -41,13 +41,17 @@ class WorkerDiedError(PagedLLMError):
 class TPGroup:
     rank: int
     world: int
+    bytes_all_reduced: int = 0  # this rank's contribution, counted for the README's figures
+    bytes_gathered: int = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
+        self.bytes_all_reduced += x.numel() * x.element_size()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., world * n], rank order."""
+        self.bytes_gathered += x.numel() * x.element_size()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, -1)

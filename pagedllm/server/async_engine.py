@@ -100,6 +100,8 @@ class AsyncEngine:
                 await asyncio.wait_for(self._task, timeout=30)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
+        if self.engine is not None:
+            self.engine.shutdown()  # tensor-parallel workers, if any
 
     @property
     def ready(self) -> bool:
