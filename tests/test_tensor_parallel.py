@@ -104,3 +104,26 @@ def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models): 
     finally:
         llm.shutdown()
     assert llm.engine.tp.closed
+
+
+def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):  # noqa: ANN001
+    from pathlib import Path
+
+    import httpx
+    from test_server import Server
+
+    srv = Server(tiny_models["llama"][0], "--tensor-parallel-size", "2", "--dtype", "float32")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200
+        children = [int(p) for t in Path(f"/proc/{srv.proc.pid}/task").iterdir()  # the engine starts in a thread
+                    for p in (t / "children").read_text().split()]
+        workers = [p for p in children if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+        assert r.status_code >= 500 and "worker" in r.text, r.text
+        assert srv.proc.wait(timeout=60) == 1  # it shut itself down
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
