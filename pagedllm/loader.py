@@ -26,7 +26,7 @@ from .errors import ModelLoadError
 from .formats import FORMATS, GGML_KERNEL_FORMATS, QUANTIZE_AT_LOAD, WeightFormat, format_of_ggml
 from .kernels import Ops, auto_dtype, load_ops
 from .models.llama import LlamaForCausalLM, ModelConfig
-from .tensor_parallel import TPGroup, shard_model
+from .tensor_parallel import TPGroup, check_divisible, shard_model
 from .tokenizer import Tokenizer
 from .weight_formats import GGMLWeight, quantize
 
@@ -71,9 +71,9 @@ def load_model(model: str | os.PathLike | None, dtype: str = "auto",
     if quantization not in (None, "none", *QUANTIZE_AT_LOAD):
         raise ModelLoadError(f"quantization must be none or one of {QUANTIZE_AT_LOAD}, got {quantization!r}")
     if path.is_file() and path.suffix == ".gguf":
-        if tp is not None and quantization != "none":
-            raise ModelLoadError("tensor parallelism shards dense weights: load a GGUF with quantization='none' "
-                                 "(--quantization none); its own block formats are not sharded yet")
+        if tp is not None and quantization not in (None, "none"):
+            raise ModelLoadError("tensor parallelism runs a GGUF in its own formats or dequantized "
+                                 "(quantization None or 'none'), not requantized at load")
         return load_gguf(path, dtype, quantization, tp)
     if path.is_dir() and (path / "config.json").exists():
         return load_hf_folder(path, dtype, quantization, tp)
@@ -266,16 +266,23 @@ class _GGUFTensors:
     def fmt(self, name: str) -> WeightFormat | None:
         return format_of_ggml(self.by_name[name].tensor_type)
 
-    def blocks(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
-        """[O, row_bytes] uint8 in place, or a copy in `rows` order (the file's pages then dropped)."""
+    def blocks(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """[O, row_bytes] uint8 in place, or a copy in `rows` order and of the weights [cols) (whole
+        blocks: a tensor-parallel shard; the file's pages then dropped)."""
         data = self.by_name[name].data
-        if rows is None:
+        if rows is None and cols is None:
             return torch.from_numpy(data)
-        out = torch.from_numpy(np.ascontiguousarray(data[rows]))
+        if cols is not None:
+            m = self.fmt(name)
+            if cols[0] % m.block_weights or cols[1] % m.block_weights:
+                raise ModelLoadError(f"{name}: a shard of weights [{cols[0]}, {cols[1]}) does not fall on whole "
+                                     f"{m.name} blocks of {m.block_weights}")
+            data = data[:, cols[0] // m.block_weights * m.block_bytes:cols[1] // m.block_weights * m.block_bytes]
+        out = torch.from_numpy(np.ascontiguousarray(data if rows is None else data[rows]))
         self.release(name)
         return out
 
-    def dense(self, name: str, rows: np.ndarray | None = None) -> torch.Tensor:
+    def dense(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
         """fp32 in HF's shape ([out, in] for matrices), dequantized; file pages dropped afterwards."""
         from gguf.quants import dequantize
 
@@ -284,6 +291,8 @@ class _GGUFTensors:
         w = w.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else w.reshape(-1)
         if rows is not None:
             w = w[rows]
+        if cols is not None:
+            w = w[:, cols[0]:cols[1]]
         out = torch.from_numpy(np.array(w, dtype=np.float32))  # always a copy: the map is not the weight
         self.release(name)
         return out
@@ -341,16 +350,37 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     perm = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if arch == "llama" else {}
     dequantized: dict[str, int] = {}
 
+    sharded = tp is not None and native  # the file's blocks sharded here; dense weights by shard_model after
+    row_parallel = {"attn_output", "ffn_down"}
+    if sharded:
+        check_divisible(cfg, tp.world)
+
     def rows_of(kind: str, name: str) -> np.ndarray | None:
-        return _unpermute_rows(int(f.by_name[name].shape[1]), perm[kind]) if kind in perm else None
+        order = _unpermute_rows(int(f.by_name[name].shape[1]), perm[kind]) if kind in perm else None
+        if not sharded or kind in row_parallel:
+            return order
+        n = int(f.by_name[name].shape[1])  # a column-parallel shard: this rank's heads / MLP rows / vocabulary
+        order = np.arange(n) if order is None else order
+        return order[tp.rank * n // tp.world:(tp.rank + 1) * n // tp.world]
+
+    def cols_of(kind: str, name: str) -> tuple[int, int] | None:
+        if not sharded or kind not in row_parallel:
+            return None
+        k = int(f.by_name[name].shape[0])
+        return tp.rank * k // tp.world, (tp.rank + 1) * k // tp.world
 
     def linear(lin: nn.Linear, parts: list[tuple[str, str]], bias_names: list[str] | None) -> None:
         """parts: (kind, tensor name) stacked along the outputs, e.g. q, k, v."""
-        bias = torch.cat([f.dense(b) for b in bias_names]) if bias_names else None
+        bias = torch.cat([f.dense(b, rows_of(kind, name) if sharded else None) for b, (kind, name) in zip(bias_names, parts)]) \
+            if bias_names else None
+        if sharded and parts[0][0] in row_parallel:
+            lin.in_features //= tp.world
+            if bias is not None and tp.rank:
+                bias = torch.zeros_like(bias)  # a row-parallel bias is added once, on rank 0
         fmts = [f.fmt(name) for _, name in parts]
         if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and lin.in_features % m.block_weights == 0
                           for m in fmts):
-            blocks = [(f.blocks(name, rows_of(kind, name)), m) for (kind, name), m in zip(parts, fmts)]
+            blocks = [(f.blocks(name, rows_of(kind, name), cols_of(kind, name)), m) for (kind, name), m in zip(parts, fmts)]
             weight = GGMLWeight(ops, blocks, lin.in_features, bias)
             for (_, name), repacked in zip(parts, weight.repacked):
                 if repacked:
@@ -361,7 +391,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
                 key = f.by_name[name].tensor_type.name
                 dequantized[key] = dequantized.get(key, 0) + 1
-        w = torch.cat([f.dense(name, rows_of(kind, name)) for kind, name in parts])
+        w = torch.cat([f.dense(name, rows_of(kind, name), cols_of(kind, name)) for kind, name in parts])
         lin.weight = nn.Parameter(w, requires_grad=False)
         if bias is not None:
             lin.bias = nn.Parameter(bias, requires_grad=False)
@@ -374,9 +404,13 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     embed_fmt = f.fmt("token_embd.weight")
     if native and embed_fmt is not None and embed_fmt.name in GGML_KERNEL_FORMATS:
         model.embed_tokens.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        model.embed_packed = GGMLWeight(ops, [(f.blocks("token_embd.weight"), embed_fmt)], cfg.hidden_size)
+        model.embed_packed = GGMLWeight(ops, [(f.blocks("token_embd.weight", rows_of("token_embd", "token_embd.weight")),
+                                               embed_fmt)], cfg.hidden_size)
         if model.embed_packed.repacked[0]:
             f.release("token_embd.weight")
+    elif sharded:
+        model.embed_tokens.weight = nn.Parameter(f.dense("token_embd.weight", rows_of("token_embd", "token_embd.weight")),
+                                                 requires_grad=False)
     else:
         param(model.embed_tokens, "token_embd.weight")
     if cfg.tie_word_embeddings:
@@ -411,8 +445,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     if left:
         raise ModelLoadError(f"{path}: weights missing from the file: {left[:4]}")
     model.eval()
-    if tp is not None:  # dense weights only (quantization="none", checked by load_model)
-        shard_model(model, tp)
+    if tp is not None:  # the blocks were sliced above (native); dense weights are sliced now
+        shard_model(model, tp, weights_done=sharded)
     _use_kernels(model, ops, tdtype)
     f.drop_metadata()
     model.gguf = f  # keeps the map (the weights used in place) alive as long as the model

@@ -68,13 +68,23 @@ def _rows(w: torch.Tensor, lo: int, hi: int) -> nn.Parameter:
     return nn.Parameter(w[lo:hi].clone(), requires_grad=False)
 
 
-def shard_model(model: nn.Module, tp: TPGroup) -> None:
-    """In place, on dense weights (before any packing): keep this rank's slices."""
+def shard_model(model: nn.Module, tp: TPGroup, weights_done: bool = False) -> None:
+    """In place, on dense weights (before any packing): keep this rank's slices. weights_done: the
+    loader already cut them (a GGUF's blocks, along whole blocks); only the shapes are set."""
     cfg, r, n = model.cfg, tp.rank, tp.world
     check_divisible(cfg, n)
     d = cfg.head_dim
     hq, hk, inter = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.intermediate_size // n
     q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
+    v = cfg.vocab_size // n
+    model.vocab_range = (r * v, (r + 1) * v)
+    model.tp = tp
+    for layer in model.layers:
+        layer.num_heads, layer.num_kv_heads = hq, hk
+        layer.q_size, layer.kv_size = hq * d, hk * d
+        layer.tp = tp
+    if weights_done:
+        return
     for layer in model.layers:
         rows = [*range(r * hq * d, (r + 1) * hq * d),
                 *range(q_all + r * hk * d, q_all + (r + 1) * hk * d),
@@ -96,16 +106,10 @@ def shard_model(model: nn.Module, tp: TPGroup) -> None:
                 lin.bias = nn.Parameter(torch.zeros_like(lin.bias.data), requires_grad=False)  # added once, on rank 0
             lin.in_features = hi - lo
         qkv.out_features, gu.out_features = qkv.weight.shape[0], gu.weight.shape[0]
-        layer.num_heads, layer.num_kv_heads = hq, hk
-        layer.q_size, layer.kv_size = hq * d, hk * d
-        layer.tp = tp
-    v = cfg.vocab_size // n
-    model.vocab_range = (r * v, (r + 1) * v)
     tied = model.lm_head.weight is model.embed_tokens.weight
     model.embed_tokens.weight = _rows(model.embed_tokens.weight.data, r * v, (r + 1) * v)
     model.lm_head.weight = model.embed_tokens.weight if tied else _rows(model.lm_head.weight.data, r * v, (r + 1) * v)
     model.lm_head.out_features = v
-    model.tp = tp
 
 
 # ---- the step message ------------------------------------------------------------------------

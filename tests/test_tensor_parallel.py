@@ -127,3 +127,18 @@ def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):  # n
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
+def test_tp2_runs_a_gguf_in_its_own_formats_sharded_along_whole_blocks(tmp_path, qtype):  # noqa: ANN001
+    from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
+
+    path = str(write_random_gguf(tmp_path / f"{qtype}.gguf", SHAPES["tiny"], qtype, seed=1, std=0.08))
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(320) for _ in range(rng.randint(5, 40))]} for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base = LLM(path, dtype="float32", num_threads=1)
+    expected = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    with LLM(path, dtype="float32", num_threads=1, tensor_parallel_size=2) as tp:
+        assert qtype.lower() in tp.engine.runner.model.weight_format  # blocks, not a dequantized copy
+        assert [o.outputs[0].token_ids for o in tp.generate(prompts, params)] == expected

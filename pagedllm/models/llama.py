@@ -285,13 +285,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
-        if self.embed_packed is not None:
-            x = self.embed_packed.rows(input_ids)  # [T, hidden] fp32
-        elif self.tp is not None:  # this rank's rows of the table; the others' come from the all-reduce
+        if self.tp is not None:  # this rank's rows of the table; the others' come from the all-reduce
             lo, hi = self.vocab_range
             mine = (input_ids >= lo) & (input_ids < hi)
-            x = self.embed_tokens((input_ids - lo).clamp(0, hi - lo - 1)) * mine.unsqueeze(1)  # [T, hidden]
+            local = (input_ids - lo).clamp(0, hi - lo - 1)
+            x = self.embed_packed.rows(local) if self.embed_packed is not None else self.embed_tokens(local)
+            x = x * mine.unsqueeze(1)  # [T, hidden]
             self.tp.all_reduce(x)
+        elif self.embed_packed is not None:
+            x = self.embed_packed.rows(input_ids)  # [T, hidden] fp32
         else:
             x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
