@@ -29,11 +29,16 @@ def chunk_logits(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> I
             if bm.allocate_slots(rid, token_ids, done, n) is None:
                 raise RuntimeError("KV pool too small for the text")
             req.num_computed_tokens = done
-            res = engine.runner.execute(SchedulerOutput([ScheduledRequest(req, n)]), bm.tables, all_logits=True)
+            sched = SchedulerOutput([ScheduledRequest(req, n)])
+            if engine.tp is not None:  # the workers score the same chunk on their shards
+                engine.tp.step(sched, bm.tables, [], all_logits=True)
+            res = engine.runner.execute(sched, bm.tables, all_logits=True)
             yield done, res.logits
             done += n
     finally:
         bm.free(rid)
+        if engine.tp is not None:
+            engine._tp_gone.append(rid)
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> float:
