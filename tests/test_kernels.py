@@ -165,3 +165,45 @@ def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int
                                          v[:, lo:n].transpose(1, 2), scale=0.125, enable_gqa=True)
     torch.testing.assert_close(split, ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split, one, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]])
+def test_mask_rows_equals_xgrammars_apply(tmp_path, flags):  # noqa: ANN001
+    """The grammar-mask op (structured outputs) against xgrammar's own CPU apply, on random bitmasks,
+    vocabularies that are and are not multiples of 32, and an all-allowed row; also built without
+    AVX-512 (the per-bit path other CPUs compile)."""
+    from pathlib import Path
+
+    import xgrammar as xgr
+
+    import pagedllm
+
+    if flags:  # a quick build of just this file, with this CPU's AVX-512 masked
+        from torch.utils.cpp_extension import load
+
+        csrc = Path(pagedllm.__file__).parent / "csrc"
+        stub = tmp_path / "stub.cpp"
+        stub.write_text('#include "mask_rows.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mask_rows_", &mask_rows_); }\n')
+        mod = load(name="pagedllm_mask_noavx512", sources=[str(csrc / "mask_rows.cpp"), str(stub)],
+                   extra_cflags=["-O2", "-march=native", *flags], extra_include_paths=[str(csrc)],
+                   build_directory=str(tmp_path), verbose=False)
+        mask_rows_ = mod.mask_rows_
+    else:
+        from pagedllm.kernels import load_ops
+
+        ops = load_ops()
+        if ops is None:
+            pytest.skip("C++ kernels unavailable")
+        mask_rows_ = ops.mask_rows_
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 49155, 320):
+        logits = torch.randn(12, vocab, generator=g)
+        bits = torch.randint(-2**31, 2**31 - 1, (12, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+        bits[3] = -1  # every token allowed
+        rows = [0, 3, 5, 11]
+        ref, out = logits.clone(), logits.clone()
+        xgr.apply_token_bitmask_inplace(ref, bits, vocab_size=vocab, indices=rows)
+        mask_rows_(out, bits, torch.tensor(rows))
+        assert torch.equal(out, ref)
+    with pytest.raises(RuntimeError, match="out of range"):
+        mask_rows_(logits, bits, torch.tensor([12]))

@@ -1,6 +1,6 @@
 // CPU kernels for the fp32 hot paths: attention that reads K/V straight from the paged pool (no
 // gathered copy of the context), a linear over panel-packed weights, fused RMSNorm (+ residual
-// add), rotary embedding, silu_and_mul, and a row argmax.
+// add), rotary embedding, silu_and_mul, and a row argmax (grammar masks: mask_rows.cpp).
 //
 // Attention: one work item = one query token, all heads (with fewer tokens than threads, one item =
 // a range of a token's keys, merged by their maxima: flash-decoding): each K/V slot row (all KV heads, contiguous) is read
@@ -18,6 +18,7 @@
 
 #include "linear_bf16.h"
 #include "linear_ggml.h"
+#include "mask_rows.h"
 #include "row_tiles.h"
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -446,6 +447,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mask_rows_", &mask_rows_, "logits[r, t] = -inf where bit t of bitmask[r] is clear, rows in place (fp32, CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally after residual += x (fp32, CPU)");
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
