@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
@@ -62,7 +63,7 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks admission keeps free
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # worker processes over torch.distributed (tensor_parallel.py)
-    speculative_config: dict | str | None = None  # vLLM's: {"method": "ngram" | "draft_model", ...} (spec_decode.py)
+    speculative_config: Any = None  # vLLM's: {"method": "ngram" | "draft_model", ...} or JSON; parsed into a SpeculativeConfig
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -94,7 +95,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             from .spec_decode import SpeculativeConfig
 
-            SpeculativeConfig.parse(self.speculative_config)  # validates; the engine parses it again
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             # without chunking a whole prompt must fit in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)

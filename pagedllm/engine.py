@@ -97,8 +97,7 @@ class LLMEngine:
         self.tp = None
         self._tp_gone: list[str] = []  # finished since the last step: the workers drop their tables
         if config.tensor_parallel_size > 1:
-            if config.speculative_config is not None and SpeculativeConfig.parse(config.speculative_config).method \
-                    == "draft_model":
+            if config.speculative_config is not None and config.speculative_config.method == "draft_model":
                 raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
             from .loader import peek_config
             from .tensor_parallel import TPDriver, check_divisible
@@ -121,7 +120,7 @@ class LLMEngine:
         bs = config.block_size
         # all ranks together: each holds its KV heads' share of every block
         bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)
-        self.spec: SpeculativeConfig | None = SpeculativeConfig.parse(config.speculative_config)
+        self.spec: SpeculativeConfig | None = config.speculative_config
         draft = None
         if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
             draft = load_model(self.spec.model, config.dtype, config.quantization)
@@ -160,7 +159,8 @@ class LLMEngine:
         self.eos_token_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids,
-                                            max_threads=torch.get_num_threads()) if self.tokenizer else None
+                                            max_threads=torch.get_num_threads(), ops=self.runner.model.ops) \
+            if self.tokenizer else None
         self.sampler = Sampler(config.seed, self.runner.argmax, self.structured)
         self.spec_counters = SpecDecodeCounters()
         self.proposer = NgramProposer(self.spec) if self.spec is not None else None
@@ -391,7 +391,7 @@ class LLMEngine:
                 continue
             k = min(cfg.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens - 1)
-            if k < 1 or not should_propose(req, cfg):
+            if k < 1 or not should_propose(req):
                 continue
             drafts = self.proposer.propose(req, k)  # a draft model's are placeholders until it runs
             if req.grammar is not None and drafts and self.draft is None:

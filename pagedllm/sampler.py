@@ -65,24 +65,9 @@ class Sampler:
         for i, req in enumerate(reqs):
             if not req.params.greedy:
                 out_ids[i] = self._sample_row(logits[i], req)
-        results = []
-        logp = torch.log_softmax(raw, -1) if raw is not None else None
-        for i, req in enumerate(reqs):
-            tok = out_ids[i]
-            if logp is None:
-                results.append(SampleResult(tok, 0.0, []))
-                continue
-            row = logp[i]
-            lp = float(row[tok])
-            top: list[tuple[int, float, int]] = []
-            k = req.params.logprobs or 0
-            if k:
-                vals, idx = row.topk(k)
-                top = [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(vals, idx))]
-            if all(t != tok for t, _, _ in top):
-                top.insert(0, (tok, lp, int((row > lp).sum()) + 1))
-            results.append(SampleResult(tok, lp, top))
-        return results
+        logp = torch.log_softmax(raw, -1) if raw is not None else None  # [R, V], once for the batch
+        return [self._result(logp[i] if logp is not None else None, out_ids[i], req.params.logprobs)
+                for i, req in enumerate(reqs)]
 
     def _constrain(self, logits: torch.Tensor, raw: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
         """Grammar masks, after the other processors. A row they leave empty (min_tokens banning the
@@ -208,7 +193,8 @@ class Sampler:
                             tok = int(torch.multinomial(resid, 1, generator=self._gen(req))) if resid.sum() > 0 \
                                 else int(probs.argmax())
                             d = None  # rejected: the token drawn is the target's own, even if it equals d
-                out.append(self._result(logits[i], tok, p.logprobs))
+                out.append(self._result(torch.log_softmax(logits[i], -1) if p.logprobs is not None else None, tok,
+                                        p.logprobs))
                 accepted += tok == d
                 req.output_token_ids.append(tok)  # the next row's context (undone below)
                 if req.grammar is not None:
@@ -221,15 +207,15 @@ class Sampler:
         return out, accepted
 
     @staticmethod
-    def _result(raw: torch.Tensor, tok: int, k: int | None) -> SampleResult:
-        if k is None:
+    def _result(logp: torch.Tensor | None, tok: int, k: int | None) -> SampleResult:
+        """logp: the row's log-probabilities [V] (None: no request of the batch wants logprobs)."""
+        if logp is None or k is None:
             return SampleResult(tok, 0.0, [])
-        row = torch.log_softmax(raw, -1)
-        lp = float(row[tok])
+        lp = float(logp[tok])
         top: list[tuple[int, float, int]] = []
         if k:
-            vals, idx = row.topk(k)
+            vals, idx = logp.topk(k)
             top = [(int(t), float(v), r + 1) for r, (v, t) in enumerate(zip(vals, idx))]
         if all(t != tok for t, _, _ in top):
-            top.insert(0, (tok, lp, int((row > lp).sum()) + 1))
+            top.insert(0, (tok, lp, int((logp > lp).sum()) + 1))
         return SampleResult(tok, lp, top)

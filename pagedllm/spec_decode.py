@@ -131,7 +131,7 @@ class NgramProposer:
         return []
 
 
-def should_propose(req: Request, config: SpeculativeConfig) -> bool:
+def should_propose(req: Request) -> bool:
     """Adaptive gate: pause a request whose recent proposals were mostly rejected."""
     if req.spec_pause > 0:
         req.spec_pause -= 1

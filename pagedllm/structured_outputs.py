@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .errors import InvalidRequestError
-from .kernels import load_ops
+from .kernels import Ops
 from .sampling_params import StructuredOutputsParams
 from .tokenizer import Tokenizer
 
@@ -118,11 +118,14 @@ class StructuredOutputStats:
 class StructuredOutputs:
     """The engine's grammar compiler: specs in, compiled grammars and per-sequence matchers out."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2,
+                 ops: Ops | None = None) -> None:
+        """ops: the C++ kernels, whose mask_rows_ applies the masks (else xgrammar's CPU apply)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_threads = max_threads
+        self.ops = ops
         self.stats = StructuredOutputStats()
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -224,9 +227,8 @@ class StructuredOutputs:
         bitmask = self._bitmask[:logits.shape[0]]  # [R, V/32] int32, one bit per token
         for row, m in zip(rows, matchers):
             m.fill_next_token_bitmask(bitmask, row)
-        ops = load_ops()
-        if ops is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-            ops.mask_rows_(logits, bitmask, torch.tensor(rows, dtype=torch.long))  # ~16x xgrammar's CPU apply
+        if self.ops is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            self.ops.mask_rows_(logits, bitmask, torch.tensor(rows, dtype=torch.long))  # ~16x xgrammar's CPU apply
         else:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
         self.stats.mask_seconds += time.perf_counter() - t0

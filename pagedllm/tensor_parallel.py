@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -296,8 +296,3 @@ class TPDriver:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def local_config(cfg: Any, world: int) -> Any:
-    """The per-rank shape (heads, MLP, vocab divided), e.g. for KV pool sizing."""
-    return replace(cfg, num_heads=cfg.num_heads // world, num_kv_heads=cfg.num_kv_heads // world,
-                   intermediate_size=cfg.intermediate_size // world, vocab_size=cfg.vocab_size // world)

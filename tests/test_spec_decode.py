@@ -47,9 +47,9 @@ def test_adaptive_gate_pauses_requests_whose_proposals_fail():
     cfg = SpeculativeConfig(window=4, min_acceptance=0.5, pause_steps=3)
     r = _req([1])
     for _ in range(4):
-        assert should_propose(r, cfg)
+        assert should_propose(r)
         record_acceptance(r, 4, 0, cfg)
-    assert [should_propose(r, cfg) for _ in range(4)] == [False, False, False, True]
+    assert [should_propose(r) for _ in range(4)] == [False, False, False, True]
 
 
 def test_truncate_frees_rolled_back_blocks_and_never_caches_them():

@@ -26,6 +26,7 @@ from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..structured_outputs import validate_json_schema
 from ..tool_calls import (
     ToolCallStream,
+    ToolFormat,
     check_tools,
     parse_tool_calls,
     structural_tag,
@@ -470,7 +471,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                                                chat_template=req.chat_template, **kwargs)
         return {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False)}
 
-    def chat_tools(e, req: ChatCompletionRequest) -> tuple[list[dict], tuple[str, dict] | None]:  # noqa: ANN001
+    def chat_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[list[dict], tuple[str, dict] | None]:
         """(tools the model is offered, (field, output constraint)). tool_choice 'required' or a named
         function is enforced by a structural tag over the tools' parameter schemas; 'auto' lets the model
         choose, and a call it begins must be a valid one."""
@@ -495,7 +496,6 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                 raise APIError(400, f"tool_choice 'required' or a named function cannot be combined with {given[0]}",
                                param="tool_choice")
             return tools, given  # the response format constrains; calls are still parsed
-        fmt = tool_format_for(req.chat_template or e.tokenizer.chat_template)
         return tools, ("tools", {"structural_tag": structural_tag(fmt, tools, choice, req.parallel_tool_calls)})
 
     @app.post("/v1/chat/completions")
@@ -508,7 +508,8 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         if req.chat_template is not None and not trust_request_chat_template:
             raise APIError(400, "chat_template in a request is refused: a template is a program; start the server "
                            "with --trust-request-chat-template to allow it", param="chat_template")
-        tools, given = chat_tools(e, req)
+        fmt = tool_format_for(req.chat_template or e.tokenizer.chat_template)
+        tools, given = chat_tools(req, fmt)
         try:
             prompt = await asyncio.to_thread(render_chat, e, req, tools)
         except InvalidRequestError as ex:
@@ -518,7 +519,6 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                           await constraint(given))
         streams = await submit([prompt], params, req, "chatcmpl")
         created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], model_name()
-        fmt = tool_format_for(req.chat_template or e.tokenizer.chat_template)
 
         def message(c) -> tuple[dict, str | None]:  # noqa: ANN001
             if not tools:
