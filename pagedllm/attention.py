@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .kernels import Ops
 from .kv_cache import KVCache
 
 
@@ -97,6 +98,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             q[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),  # q: [B, H, 1, D]
             attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)  # [B, H, 1, D]
         out[:nd] = o.squeeze(2)
+    _attend_prefills(q, k, v, cache, meta, scale, out)
+    return out
+
+
+def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                       cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C++ path from a layer's fused qkv [T, (H + 2 KVH) D]: rope, the K/V write and the paged rows in
+    one call where the pool stores K/V as computed (fp32, bf16; an fp8 pool is written by its cache), then
+    SDPA for fresh prompts. cos, sin: [T, D / 2]. Returns [T, H, D]."""
+    t, kvh, d = qkv.shape[0], cache.k.shape[2], cache.k.shape[3]
+    if meta.op is None or cache.lossy:
+        ops.rope_(qkv, cos, sin, num_heads + kvh, d)
+        q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
+        return paged_attention(q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d), cache, meta, scale)
+    p = meta.paged
+    rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
+    out = ops.attention_qkv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, num_heads, rows, *tables, scale,
+                            meta.sliding_window or 0)
+    if meta.prefills:
+        q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
+        _attend_prefills(q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d), cache, meta, scale, out)
+    return out
+
+
+def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                     scale: float, out: torch.Tensor) -> None:
+    """SDPA for the rows of meta.prefills (their K/V already in the pool), into out."""
     for s in meta.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
         qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
@@ -111,4 +139,3 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
             attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True)
         out[sl] = o[0].transpose(0, 1)
-    return out

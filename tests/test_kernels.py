@@ -207,3 +207,75 @@ def test_mask_rows_equals_xgrammars_apply(tmp_path, flags):  # noqa: ANN001
         assert torch.equal(out, ref)
     with pytest.raises(RuntimeError, match="out of range"):
         mask_rows_(logits, bits, torch.tensor([12]))
+
+
+def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:  # noqa: ANN001
+    """rope + K/V write + attention in one call against rope_ by torch, KVCache.write and gather + SDPA:
+    two decode rows, a 3-row mid-sequence chunk, and a 4-token fresh prompt the op leaves alone."""
+    from pagedllm.attention import build_mask
+    from pagedllm.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(heads * 100 + d)
+    bs, nb = 16, 12
+    ref_cache, cache = KVCache(nb, bs, kv_heads, d, pool, torch.float32), KVCache(nb, bs, kv_heads, d, pool, torch.float32)
+    tables = [[7, 2, 9], [4, 11], [0, 5], [3]]
+    before = [40, 20, 17, 0]  # tokens already in the pool per sequence
+    new = [1, 1, 3, 4]
+    for s, n in enumerate(before):
+        if n:
+            slots = torch.tensor([tables[s][p // bs] * bs + p % bs for p in range(n)])
+            kv = torch.randn(n, kv_heads, d, generator=g), torch.randn(n, kv_heads, d, generator=g)
+            ref_cache.write(slots, *kv)
+            cache.write(slots, *kv)
+    pos = [p for s in range(4) for p in range(before[s], before[s] + new[s])]
+    slots = torch.tensor([tables[s][p // bs] * bs + p % bs for s in range(4) for p in range(before[s], before[s] + new[s])])
+    t = len(pos)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    freqs = torch.outer(torch.tensor(pos, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = freqs.cos(), freqs.sin()  # [T, D / 2]
+    # the reference: torch's rope, the cache's write, SDPA over the gathered pool
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    c2, s2 = torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([sin, sin], -1).unsqueeze(1)  # [T, 1, D]
+    q = q.reshape(t, heads, d) * c2 + rotate_half(q.reshape(t, heads, d)) * s2
+    k = k.reshape(t, kv_heads, d) * c2 + rotate_half(k.reshape(t, kv_heads, d)) * s2
+    bt = torch.tensor([tb + [0] * (3 - len(tb)) for tb in tables[:3]])
+    out = attention_qkv(qkv, cos, sin, cache.k, cache.v, slots, heads, 5, bt, torch.tensor([0, 1, 2, 2, 2]),
+                        torch.tensor([0, 1, 2]), torch.tensor([1, 1, 3]), torch.tensor([41, 21, 20]), d ** -0.5, 0)
+    roped = qkv.view(t, heads + 2 * kv_heads, d)  # q and k roped in place, v as it was
+    torch.testing.assert_close(roped[:, :heads], q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(roped[:, heads:heads + kv_heads], k, rtol=1e-5, atol=1e-5)
+    ref_cache.write(slots, roped[:, heads:heads + kv_heads], roped[:, heads + kv_heads:])
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)  # bit for bit, bf16 rounding too
+    kc, vc = ref_cache.gather(bt)
+    for s, (rows, n) in enumerate(((slice(0, 1), 41), (slice(1, 2), 21), (slice(2, 5), 20))):
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        ref = F.scaled_dot_product_attention(qs, kc[s, :n].transpose(0, 1).unsqueeze(0), vc[s, :n].transpose(0, 1).unsqueeze(0),
+                                             attn_mask=build_mask(qs.shape[2], n, None), scale=d ** -0.5, enable_gqa=True)
+        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 24), (4, 2, 16), (14, 2, 64), (4, 4, 128), (16, 4, 80)])
+def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:  # noqa: ANN001
+    """Every query-head grouping the kernel picks (4, 3, 2 or 1 heads per pass) and head dims that are and
+    are not multiples of 16."""
+    _attention_qkv_case(ops.attention_qkv, heads, kv_heads, d, pool)
+
+
+def test_attention_without_avx512(tmp_path) -> None:  # noqa: ANN001
+    """attention.cpp as a CPU without AVX-512 compiles it (the vector extensions split into AVX2 halves)."""
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    import pagedllm
+
+    csrc = Path(pagedllm.__file__).parent / "csrc"
+    stub = tmp_path / "stub.cpp"
+    stub.write_text('#include "attention.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attention_qkv", &attention_qkv); }\n')
+    mod = load(name="pagedllm_attention_avx2", sources=[str(csrc / "attention.cpp"), str(stub)],
+               extra_cflags=["-O2", "-march=native", "-ffast-math", "-mno-avx512f"], extra_include_paths=[str(csrc)],
+               build_directory=str(tmp_path), verbose=False)
+    for pool in (torch.float32, torch.bfloat16):
+        _attention_qkv_case(mod.attention_qkv, 9, 3, 64, pool)
+        _attention_qkv_case(mod.attention_qkv, 8, 2, 24, pool)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from ..attention import AttentionMetadata, attention_from_qkv, paged_attention
 from ..errors import ModelLoadError
 from ..kernels import Ops
 from ..kv_cache import KVCache
@@ -162,15 +162,15 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual, self.ops)
         qkv = self._linear(h, self.qkv_proj)  # [T, q_size + 2 * kv_size]
         if self.ops is not None:
-            self.ops.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.ops is None:
+            a = attention_from_qkv(self.ops, qkv, cos, sin, self.num_heads, cache, meta, self.scale)  # [T, H, D]
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
             q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
             k = k * cos + rotate_half(k) * sin
-        a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
+            a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
         o = self._linear(a.view(t, self.q_size), self.o_proj)
         if self.tp is not None:  # row-parallel: the ranks' partial sums
             self.tp.all_reduce(o)

@@ -1,0 +1,22 @@
+#pragma once
+#include <torch/extension.h>
+
+// out[:T] = attention of q's T rows over the paged pool (attention.cpp); k_scale, v_scale [NB, BS, KVH]
+// bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8)
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
+                     torch::Tensor ctx_len, double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
+                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> lut);
+
+// Rotary embedding (rotate-half) in place on the leading num_heads heads of each qkv row; cos, sin [T, D/2]
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
+
+// One layer's attention from its fused qkv rows [T, (H + 2 KVH) D]: rope on q and k (in place), the T new
+// K/V rows written to slots of an fp32 or bf16 pool, then the first num_paged rows attended over the pool
+// (block tables etc. as paged_attention's, given when num_paged > 0). Returns out [T, H, D]; rows from
+// num_paged on are left for the caller (fresh prompts).
+torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_paged,
+                            c10::optional<torch::Tensor> block_tables, c10::optional<torch::Tensor> row_seq,
+                            c10::optional<torch::Tensor> q_start, c10::optional<torch::Tensor> q_len,
+                            c10::optional<torch::Tensor> ctx_len, double scale, int64_t window);
