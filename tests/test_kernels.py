@@ -272,7 +272,8 @@ def test_attention_without_avx512(tmp_path) -> None:  # noqa: ANN001
 
     csrc = Path(pagedllm.__file__).parent / "csrc"
     stub = tmp_path / "stub.cpp"
-    stub.write_text('#include "attention.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attention_qkv", &attention_qkv); }\n')
+    stub.write_text('#include "attention.h"\n'
+                    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attention_qkv", &attention_qkv); }\n')
     mod = load(name="pagedllm_attention_avx2", sources=[str(csrc / "attention.cpp"), str(stub)],
                extra_cflags=["-O2", "-march=native", "-ffast-math", "-mno-avx512f"], extra_include_paths=[str(csrc)],
                build_directory=str(tmp_path), verbose=False)
