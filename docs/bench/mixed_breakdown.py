@@ -1,0 +1,47 @@
+"""Where the mixed workload's time goes: the engine's calls wrapped with timers (linears by row count, SDPA
+over fresh prompts, the whole attention call), the default model, bf16 dense parts.
+Run: .venv/bin/python docs/bench/mixed_breakdown.py   (the wrappers add ~1 us a call)"""
+
+import collections
+import time
+
+import pagedllm.attention as attention
+import pagedllm.model_runner as model_runner
+import pagedllm.models.llama as llama
+import pagedllm.weight_formats as weight_formats
+from pagedllm.config import EngineConfig
+from pagedllm.engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.workloads import mixed
+
+spent: collections.Counter = collections.Counter()
+
+
+def timed(f, name=None, key=None):  # noqa: ANN001, ANN201
+    def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        r = f(*a, **k)
+        spent[key(*a) if key else name] += time.perf_counter() - t
+        return r
+    return run
+
+
+def rows(_w, x) -> str:  # noqa: ANN001
+    m = x.shape[0]
+    return "linears, 512+ rows" if m >= 512 else "linears, 16-511 rows" if m >= 16 else "linears, < 16 rows"
+
+
+weight_formats.GGMLWeight.matmul = timed(weight_formats.GGMLWeight.matmul, key=rows)
+attention._attend_prefills = timed(attention._attend_prefills, "SDPA over fresh prompts")
+llama.attention_from_qkv = timed(llama.attention_from_qkv, "attention calls (SDPA included)")
+model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
+engine = LLMEngine(EngineConfig(dtype="bfloat16"))
+for i, w in enumerate(mixed(64, engine.model_config.vocab_size, 0)):
+    engine.add_request(f"r{i}", {"prompt_token_ids": w.prompt_token_ids},
+                       SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True))
+t0 = time.perf_counter()
+while engine.has_unfinished_requests():
+    engine.step()
+print(f"wall {time.perf_counter() - t0:.2f} s")
+for name, s in spent.most_common():
+    print(f"  {name:34s} {s:6.2f} s")
