@@ -150,3 +150,15 @@ def test_vllm_baseline_needs_its_interpreter(llama_dir):  # noqa: ANN001
                         "--num-requests", "2", "--baseline", "vllm", "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "--vllm-python" in r.stderr
+
+
+@pytest.mark.parametrize("quantization, warned", [("q8_0", True), ("none", False)])
+def test_throughput_says_when_the_baseline_reads_other_weights(llama_dir, quantization: str, warned: bool) -> None:  # noqa: ANN001
+    """The HF baselines read the dense folder: weights quantized at load (or a GGUF's own formats) are
+    not the same weights, and the report says so."""
+    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", llama_dir, "--workload",
+                        "mixed", "--num-requests", "2", "--dtype", "float32", "--quantization", quantization,
+                        "--batch-size", "2", "--max-model-len", "1024", "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert ("pass --quantization none to compare the same weights" in r.stderr) == warned, r.stderr

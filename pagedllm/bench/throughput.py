@@ -156,6 +156,11 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
                          engine.tokenizer)
     rows = [run_pagedllm(engine, work, not args.no_progress)]
     kv_bytes = engine.block_manager.num_blocks * engine.bytes_per_block
+    fmt = engine.runner.model.weight_format
+    if {"vllm", "hf-static"} & set(args.baseline) and fmt not in ("f32", "bf16", "float32", "bfloat16", "float16"):
+        log.warning(
+            "pagedllm ran the weights as stored (%s) while the vllm / hf-static baselines read them dequantized "
+            "from an HF folder: pass --quantization none to compare the same weights", fmt)
     threads = engine.config.num_threads or len(os.sched_getaffinity(0))
     if engine.spec is not None:
         rows[0]["system"] += " + spec"
