@@ -108,17 +108,20 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
     one call where the pool stores K/V as computed (fp32, bf16; an fp8 pool is written by its cache), then
     SDPA for fresh prompts. cos, sin: [T, D / 2]. Returns [T, H, D]."""
     t, kvh, d = qkv.shape[0], cache.k.shape[2], cache.k.shape[3]
+
+    def heads() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, H, D], k and v [T, KVH, D]: views
+        q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
+        return q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d)
+
     if meta.op is None or cache.lossy:
         ops.rope_(qkv, cos, sin, num_heads + kvh, d)
-        q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
-        return paged_attention(q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d), cache, meta, scale)
+        return paged_attention(*heads(), cache, meta, scale)
     p = meta.paged
     rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
     out = ops.attention_qkv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, num_heads, rows, *tables, scale,
                             meta.sliding_window or 0)
     if meta.prefills:
-        q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
-        _attend_prefills(q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d), cache, meta, scale, out)
+        _attend_prefills(*heads(), cache, meta, scale, out)
     return out
 
 

@@ -135,7 +135,10 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
   constexpr int KT = ND <= 4 ? 16 : 8;  // keys per tile: KT products + GB * ND q vectors in registers
   const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = (n + 15) / 16 * 16 + 16;  // + one store of slack
   s.scores.resize(H * ld);
-  s.tile.assign(KT * KVH * W, 0.f);
+  if (TAIL)  // the widened rows' padding must read as zeros; whole chunks are always written
+    s.tile.assign(KT * KVH * W, 0.f);
+  else
+    s.tile.resize(KT * KVH * W);
   s.acc.assign(H * W, 0.f);
   float* sc = s.scores.data();
   float* acc_mem = s.acc.data();
@@ -145,33 +148,40 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
     for (int64_t h = 0; h < H; ++h) std::copy(it.q + h * D, it.q + (h + 1) * D, s.qpad.data() + h * W);
     q = s.qpad.data();
   }
-  auto slot_of = [&](int64_t t) { return it.table[t / BS] * BS + t % BS; };
   const float* rows[KT];
-  // pass 1: scores, KT keys of GB heads at a time, summed across lanes by the shuffle tree
-  for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
-    const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
-    for (int j = 0; j < cnt; ++j) rows[j] = K.row<ND, TAIL>(slot_of(t0 + j), s.tile.data() + j * KVH * W);
-    for (int64_t kh = 0; kh < KVH; ++kh)
-      for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) {
-        v16f qr[GB][ND];
-        for (int g = 0; g < GB; ++g)
-          for (int c = 0; c < ND; ++c) qr[g][c] = load16(q + (h0 + g) * W + 16 * c) * scale;
-        for (int g = 0; g < GB; ++g) {
-          v16f p[KT];
-          for (int j = 0; j < KT; ++j) {
-            if (j >= cnt) {
-              p[j] = v16f{0};
-              continue;
-            }
-            const float* kr = rows[j] + kh * W;
-            v16f a = qr[g][0] * load16(kr);
-            for (int c = 1; c < ND; ++c) a += qr[g][c] * load16(kr + 16 * c);
-            p[j] = a;
-          }
-          store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p));
-        }
+  // every tile of KT keys in slot order, its rows of pool P widened once, then group(t0, cnt, kh, h0) for
+  // each KV head kh and each of its groups of GB query heads h0 ..
+  auto sweep = [&](const Pool& P, auto&& group) {
+    for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
+      const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
+      for (int j = 0; j < cnt; ++j) {
+        const int64_t t = t0 + j;
+        rows[j] = P.row<ND, TAIL>(it.table[t / BS] * BS + t % BS, s.tile.data() + j * KVH * W);
       }
-  }
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
+    }
+  };
+  // pass 1: scores, KT keys of GB heads at a time, summed across lanes by the shuffle tree
+  sweep(K, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+    v16f qr[GB][ND];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < ND; ++c) qr[g][c] = load16(q + (h0 + g) * W + 16 * c) * scale;
+    for (int g = 0; g < GB; ++g) {
+      v16f p[KT];
+      for (int j = 0; j < KT; ++j) {
+        if (j >= cnt) {
+          p[j] = v16f{0};
+          continue;
+        }
+        const float* kr = rows[j] + kh * W;
+        v16f a = qr[g][0] * load16(kr);
+        for (int c = 1; c < ND; ++c) a += qr[g][c] * load16(kr + 16 * c);
+        p[j] = a;
+      }
+      store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p));
+    }
+  });
   // pass 2: softmax numerators
   for (int64_t h = 0; h < H; ++h) {
     float* sg = sc + h * ld;
@@ -186,25 +196,20 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
     it.sum[h] = total;
   }
   // pass 3: V sums, GB x ND accumulators in registers for a tile's keys
-  for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
-    const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
-    for (int j = 0; j < cnt; ++j) rows[j] = V.row<ND, TAIL>(slot_of(t0 + j), s.tile.data() + j * KVH * W);
-    for (int64_t kh = 0; kh < KVH; ++kh)
-      for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) {
-        v16f acc[GB][ND];
-        for (int g = 0; g < GB; ++g)
-          for (int c = 0; c < ND; ++c) acc[g][c] = load16(acc_mem + (h0 + g) * W + 16 * c);
-        for (int j = 0; j < cnt; ++j) {
-          const float* vr = rows[j] + kh * W;
-          for (int g = 0; g < GB; ++g) {
-            const float pr = sc[(h0 + g) * ld + (t0 - it.lo) + j];
-            for (int c = 0; c < ND; ++c) acc[g][c] += pr * load16(vr + 16 * c);
-          }
-        }
-        for (int g = 0; g < GB; ++g)
-          for (int c = 0; c < ND; ++c) store16(acc_mem + (h0 + g) * W + 16 * c, acc[g][c]);
+  sweep(V, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+    v16f acc[GB][ND];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < ND; ++c) acc[g][c] = load16(acc_mem + (h0 + g) * W + 16 * c);
+    for (int j = 0; j < cnt; ++j) {
+      const float* vr = rows[j] + kh * W;
+      for (int g = 0; g < GB; ++g) {
+        const float pr = sc[(h0 + g) * ld + (t0 - it.lo) + j];
+        for (int c = 0; c < ND; ++c) acc[g][c] += pr * load16(vr + 16 * c);
       }
-  }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < ND; ++c) store16(acc_mem + (h0 + g) * W + 16 * c, acc[g][c]);
+  });
   for (int64_t h = 0; h < H; ++h) std::copy(acc_mem + h * W, acc_mem + h * W + D, it.acc + h * D);
 }
 
@@ -390,16 +395,21 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "attention_qkv: slot ", sp[t], " outside the pool");
+  const bool f32 = dt == torch::kFloat32;
+  float* kf = f32 ? k_cache.data_ptr<float>() : nullptr;
+  float* vf = f32 ? v_cache.data_ptr<float>() : nullptr;
+  c10::BFloat16* kb = f32 ? nullptr : k_cache.data_ptr<c10::BFloat16>();
+  c10::BFloat16* vb = f32 ? nullptr : v_cache.data_ptr<c10::BFloat16>();
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* k = xp + t * stride + H * D;
       const float* v = k + n;
-      if (dt == torch::kFloat32) {
-        std::memcpy(k_cache.data_ptr<float>() + sp[t] * n, k, n * sizeof(float));
-        std::memcpy(v_cache.data_ptr<float>() + sp[t] * n, v, n * sizeof(float));
+      if (f32) {
+        std::memcpy(kf + sp[t] * n, k, n * sizeof(float));
+        std::memcpy(vf + sp[t] * n, v, n * sizeof(float));
       } else {  // round to nearest even, as torch's .to(bfloat16)
-        c10::BFloat16* kd = k_cache.data_ptr<c10::BFloat16>() + sp[t] * n;
-        c10::BFloat16* vd = v_cache.data_ptr<c10::BFloat16>() + sp[t] * n;
+        c10::BFloat16* kd = kb + sp[t] * n;
+        c10::BFloat16* vd = vb + sp[t] * n;
         for (int64_t i = 0; i < n; ++i) {
           kd[i] = c10::BFloat16(k[i]);
           vd[i] = c10::BFloat16(v[i]);
