@@ -7,7 +7,10 @@ every sequence attends over its own blocks. The rows of a step are ordered:
    With the C++ op (fp32 model; fp32, bf16 or fp8 pool) all of them go through one call that reads K/V rows straight
    from their blocks. Otherwise (pure torch): decodes are batched over gathered blocks masked by
    context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
-2. fresh prompts (nothing cached before them): plain causal attention on their own new K/V.
+2. prefills: fresh prompts (nothing cached before them) and long mid-sequence chunks. Over a bf16 pool
+   with the C++ op, one call attends them all on bf16 dot products, K/V read from the pool (q and p
+   rounded to bf16, as the op's paged rows do for that pool). Otherwise SDPA: fresh prompts on their
+   own new K/V, chunks on their gathered blocks.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ class PagedRows:
 
 
 @dataclass
+class ChunkRows:
+    """Prefill chunks (meta.prefills) for the C++ chunk kernel of a bf16 pool."""
+
+    block_tables: torch.Tensor  # [P, max_blocks] int64
+    q_start: torch.Tensor  # [P]
+    q_len: torch.Tensor  # [P]
+    ctx_len: torch.Tensor  # [P]
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step context shared by all layers; built once by the model runner."""
 
@@ -53,6 +66,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] (torch path)
     prefills: list[PrefillSeq] = field(default_factory=list)
     paged: PagedRows | None = None  # set when the C++ op serves the paged rows
+    chunks: ChunkRows | None = None  # set when the C++ op serves the prefills too (bf16 pools)
     sliding_window: int | None = None
     op: Callable | None = None
 
@@ -118,9 +132,11 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
         return paged_attention(*heads(), cache, meta, scale)
     p = meta.paged
     rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
+    c = meta.chunks
+    chunks = (c.block_tables, c.q_start, c.q_len, c.ctx_len) if c else (None,) * 4
     out = ops.attention_qkv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, num_heads, rows, *tables, scale,
-                            meta.sliding_window or 0)
-    if meta.prefills:
+                            meta.sliding_window or 0, *chunks)
+    if meta.prefills and c is None:
         _attend_prefills(*heads(), cache, meta, scale, out)
     return out
 

@@ -63,6 +63,7 @@ def pad_bias(b: Tensor) -> Tensor:
 class Ops:
     paged_attention: object
     attention_qkv: object
+    attend_chunks: object
     packed_linear: object
     silu_and_mul: object
     rms_norm: object
@@ -126,8 +127,8 @@ def load_extension(name: str, sources: list[Path], flags: list[str], where: Path
 
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "ops.cpp", _CSRC / "attention.cpp", _CSRC / "linear_bf16.cpp", _CSRC / "linear_ggml.cpp",
-            _CSRC / "linear_x16.cpp", _CSRC / "mask_rows.cpp"]
+_SOURCES = [_CSRC / "ops.cpp", _CSRC / "attention.cpp", _CSRC / "attention_chunks.cpp", _CSRC / "linear_bf16.cpp",
+            _CSRC / "linear_ggml.cpp", _CSRC / "linear_x16.cpp", _CSRC / "mask_rows.cpp"]
 
 
 def ops_build_dir() -> Path:
@@ -140,8 +141,8 @@ def load_ops() -> Ops | None:
         return None
     try:
         mod = load_extension("pagedllm_ops", _SOURCES, _FLAGS, ops_build_dir())
-        return Ops(mod.paged_attention, mod.attention_qkv, mod.packed_linear, mod.silu_and_mul, mod.rms_norm, mod.rope_,
-                   mod.argmax_rows, mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(), mod.linear_ggml,
+        return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
+                   mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(), mod.linear_ggml,
                    mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml, mod.mask_rows_)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)

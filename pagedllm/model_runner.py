@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, PagedRows, PrefillSeq, build_decode_mask, build_mask
+from .attention import AttentionMetadata, ChunkRows, PagedRows, PrefillSeq, build_decode_mask, build_mask
 from .kv_cache import KVCache
 from .kv_quant import FP8KVCache
 from .models.llama import LlamaForCausalLM
@@ -39,6 +39,8 @@ class ModelRunner:
         self.argmax = ops.argmax_rows if ops is not None else None
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
         self.op = ops.paged_attention if ops is not None and op_pool else None
+        # a bf16 pool's prefills go to the op's chunk kernel (bf16 dot products) instead of SDPA
+        self.chunk_op = self.op is not None and not self.caches[0].lossy and kv_dtype == torch.bfloat16
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False,
                 want_logits: bool = True) -> StepResult:
@@ -110,6 +112,12 @@ class ModelRunner:
             width = max(len(t) for t in dec_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
             meta.decode_mask = build_decode_mask(dec_lens, width * bs, self.sliding_window)
+        if self.chunk_op and prefills:
+            width = max(p.block_table.numel() for p in prefills)
+            meta.chunks = ChunkRows(
+                torch.stack([torch.nn.functional.pad(p.block_table, (0, width - p.block_table.numel()))
+                             for p in prefills]),
+                *(torch.tensor(v) for v in zip(*((p.q_start, p.q_len, p.ctx_len) for p in prefills))))
         logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long))
         return StepResult(logits, sampled, num_rows)

@@ -17,6 +17,34 @@ def ops():  # noqa: ANN201
     return ops
 
 
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  pool: torch.dtype) -> torch.Tensor:
+    """q [1, H, L, D], k and v [1, KVH, S, D] as the pool holds them; mask [1, 1, L, S] or None (causal).
+    Over a bf16 pool the kernels' math: q and p rounded to bf16, p = exp(s - the exact max), divided by
+    the sum of unrounded p, in float64 here; otherwise SDPA."""
+    if pool != torch.bfloat16:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = q.bfloat16().double() @ k.transpose(-1, -2) * scale  # [1, H, L, S]
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril(s.shape[-1] - s.shape[-2])
+    e = torch.exp(s.masked_fill(~mask, float("-inf")) - s.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True))
+    return ((e.bfloat16().double() @ v) / e.sum(-1, keepdim=True)).float()
+
+
+def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, pool: torch.dtype) -> None:
+    """A bf16 pool's kernels round p to bf16, so a p within fp32 noise of a rounding boundary can round
+    the other way (one bf16 step of that p: measured up to 1.2e-3 in an output); such flips are rare,
+    so the mean error stays at fp32 noise (not rounding q or p would be ~1e-4)."""
+    if pool != torch.bfloat16:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    err = (out - ref).abs()
+    assert err.mean() < 3e-6 and err.max() < 3e-3, (err.mean().item(), err.max().item())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 64, 200])
 @pytest.mark.parametrize("out_features", [48, 70, 96])
 def test_packed_linear(ops, rows, out_features):  # noqa: ANN001
@@ -97,9 +125,9 @@ def test_paged_attention_reads_every_pool_dtype(ops, kv):  # noqa: ANN001
     k, v = cache.gather(table)  # [2, 48, KVH, D] in fp32
     for s, (rows, n) in enumerate(((slice(0, 5), 40), (slice(5, 6), 33))):
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        ref = F.scaled_dot_product_attention(qs, k[s, :n].transpose(0, 1).unsqueeze(0), v[s, :n].transpose(0, 1).unsqueeze(0),
-                                             attn_mask=build_mask(qs.shape[2], n, None), scale=0.125, enable_gqa=True)
-        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        ref = attention_ref(qs, k[s, :n].transpose(0, 1).unsqueeze(0), v[s, :n].transpose(0, 1).unsqueeze(0),
+                            build_mask(qs.shape[2], n, None), 0.125, dt)
+        assert_attention_close(out[rows], ref[0].transpose(0, 1), dt)
 
 
 def test_build_key_follows_source_flags_and_cpu(tmp_path):  # noqa: ANN001
@@ -211,7 +239,8 @@ def test_mask_rows_equals_xgrammars_apply(tmp_path, flags):  # noqa: ANN001
 
 def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:  # noqa: ANN001
     """rope + K/V write + attention in one call against rope_ by torch, KVCache.write and gather + SDPA:
-    two decode rows, a 3-row mid-sequence chunk, and a 4-token fresh prompt the op leaves alone."""
+    two decode rows, a 3-row mid-sequence chunk, and a 4-token fresh prompt (the chunk kernel's over a bf16
+    pool; left to the caller over fp32)."""
     from pagedllm.attention import build_mask
     from pagedllm.kv_cache import KVCache
 
@@ -239,19 +268,24 @@ def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: 
     q = q.reshape(t, heads, d) * c2 + rotate_half(q.reshape(t, heads, d)) * s2
     k = k.reshape(t, kv_heads, d) * c2 + rotate_half(k.reshape(t, kv_heads, d)) * s2
     bt = torch.tensor([tb + [0] * (3 - len(tb)) for tb in tables[:3]])
+    # over a bf16 pool the op attends the fresh prompt too (the chunk kernel), over fp32 it leaves it to SDPA
+    chunk = (torch.tensor([[3]]), torch.tensor([5]), torch.tensor([4]), torch.tensor([4])) if pool == torch.bfloat16 \
+        else (None,) * 4
     out = attention_qkv(qkv, cos, sin, cache.k, cache.v, slots, heads, 5, bt, torch.tensor([0, 1, 2, 2, 2]),
-                        torch.tensor([0, 1, 2]), torch.tensor([1, 1, 3]), torch.tensor([41, 21, 20]), d ** -0.5, 0)
+                        torch.tensor([0, 1, 2]), torch.tensor([1, 1, 3]), torch.tensor([41, 21, 20]), d ** -0.5, 0,
+                        *chunk)
     roped = qkv.view(t, heads + 2 * kv_heads, d)  # q and k roped in place, v as it was
     torch.testing.assert_close(roped[:, :heads], q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(roped[:, heads:heads + kv_heads], k, rtol=1e-5, atol=1e-5)
     ref_cache.write(slots, roped[:, heads:heads + kv_heads], roped[:, heads + kv_heads:])
     assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)  # bit for bit, bf16 rounding too
-    kc, vc = ref_cache.gather(bt)
-    for s, (rows, n) in enumerate(((slice(0, 1), 41), (slice(1, 2), 21), (slice(2, 5), 20))):
+    kc, vc = ref_cache.gather(torch.tensor([tb + [0] * (3 - len(tb)) for tb in tables]))
+    cases = ((slice(0, 1), 41), (slice(1, 2), 21), (slice(2, 5), 20)) + ((slice(5, 9), 4),) * (chunk[0] is not None)
+    for s, (rows, n) in enumerate(cases):
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        ref = F.scaled_dot_product_attention(qs, kc[s, :n].transpose(0, 1).unsqueeze(0), vc[s, :n].transpose(0, 1).unsqueeze(0),
-                                             attn_mask=build_mask(qs.shape[2], n, None), scale=d ** -0.5, enable_gqa=True)
-        torch.testing.assert_close(out[rows], ref[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+        ref = attention_ref(qs, kc[s, :n].transpose(0, 1).unsqueeze(0), vc[s, :n].transpose(0, 1).unsqueeze(0),
+                            build_mask(qs.shape[2], n, None), d ** -0.5, pool)
+        assert_attention_close(out[rows], ref[0].transpose(0, 1), pool)
 
 
 @pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
@@ -262,8 +296,47 @@ def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, 
     _attention_qkv_case(ops.attention_qkv, heads, kv_heads, d, pool)
 
 
+@pytest.mark.parametrize("heads, kv_heads, d, bs, window", [
+    (9, 3, 64, 16, 0), (9, 3, 64, 4, 0), (9, 3, 64, 16, 13), (32, 8, 128, 16, 0), (4, 4, 64, 5, 0), (14, 2, 64, 16, 0),
+    (16, 4, 80, 8, 0), (8, 2, 24, 16, 0)])
+def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d: int, bs: int, window: int) -> None:  # noqa: ANN001
+    """The chunk kernel (bf16 dot products over 48 lanes of query rows x heads) on fresh prompts and
+    mid-sequence chunks over scattered blocks: against the rounded-q-and-p reference, and against the
+    decode op on the very same rows (the paths a prompt can take must agree)."""
+    g = torch.Generator().manual_seed(heads * 1000 + d + bs + window)
+    chunks = [(5, 5), (37, 61), (1, 1), (50, 50), (17, 100)]  # (q_len, ctx_len)
+    tables, nb = [], 0
+    perm = torch.randperm(sum(-(-c // bs) for _, c in chunks) + 2, generator=g).tolist()
+    for _, c in chunks:
+        tables.append(perm[nb:nb + -(-c // bs)])
+        nb += len(tables[-1])
+    k_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).bfloat16()
+    v_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).bfloat16()
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q_len, ctx = torch.tensor([n for n, _ in chunks]), torch.tensor([c for _, c in chunks])
+    q_start = torch.cumsum(q_len, 0) - q_len
+    q = torch.randn(int(q_len.sum()), heads, d, generator=g)
+    out, by_rows = torch.zeros_like(q), torch.zeros_like(q)
+    ops.attend_chunks(out, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window)
+    row_seq = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
+    ops.paged_attention(by_rows, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None)
+    refs = []
+    for s, (n, c) in enumerate(chunks):
+        k, v = (p[bt[s]].reshape(-1, kv_heads, d)[:c].transpose(0, 1).unsqueeze(0) for p in (k_pool, v_pool))
+        pos_q, pos_k = torch.arange(c - n, c).unsqueeze(1), torch.arange(c).unsqueeze(0)
+        mask = (pos_k <= pos_q) & ((pos_k > pos_q - window) if window else True)
+        refs.append(attention_ref(q[q_start[s]:q_start[s] + n].transpose(0, 1).unsqueeze(0), k, v, mask.view(1, 1, n, c),
+                                  d ** -0.5, torch.bfloat16)[0].transpose(0, 1))
+    ref = torch.cat(refs)
+    assert_attention_close(out, ref, torch.bfloat16)
+    assert_attention_close(by_rows, ref, torch.bfloat16)
+    assert_attention_close(out, by_rows, torch.bfloat16)
+
+
 def test_attention_without_avx512(tmp_path) -> None:  # noqa: ANN001
-    """attention.cpp as a CPU without AVX-512 compiles it (the vector extensions split into AVX2 halves)."""
+    """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions
+    split into AVX2 halves; bf16::tile's generic loops)."""
     from pathlib import Path
 
     from torch.utils.cpp_extension import load
@@ -274,7 +347,8 @@ def test_attention_without_avx512(tmp_path) -> None:  # noqa: ANN001
     stub = tmp_path / "stub.cpp"
     stub.write_text('#include "attention.h"\n'
                     'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attention_qkv", &attention_qkv); }\n')
-    mod = load(name="pagedllm_attention_avx2", sources=[str(csrc / "attention.cpp"), str(stub)],
+    mod = load(name="pagedllm_attention_avx2",
+               sources=[str(csrc / "attention.cpp"), str(csrc / "attention_chunks.cpp"), str(stub)],
                extra_cflags=["-O2", "-march=native", "-ffast-math", "-mno-avx512f"], extra_include_paths=[str(csrc)],
                build_directory=str(tmp_path), verbose=False)
     for pool in (torch.float32, torch.bfloat16):

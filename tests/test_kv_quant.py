@@ -66,16 +66,17 @@ def test_default_model_fp8_perplexity_within_2_percent():
     assert ppl["fp8_e4m3"] / ppl["float32"] - 1 < 0.02, ppl
 
 
-def test_bf16_pool_through_the_cpp_op_equals_the_torch_path(llama_dir):  # noqa: ANN001
-    """The C++ attention widens bf16 pool rows to fp32; the torch path gathers and converts them.
-    (fp8 is compared op-level in test_kernels: there a 1e-7 difference upstream can move a value
-    across an fp8 rounding boundary, so whole-model logits differ by ~1e-2 by design; so would bf16 weights,
-    which round every linear's input to bf16: fp32 weights here.)"""
+def test_bf16_pool_through_the_cpp_op_tracks_the_torch_path(llama_dir):  # noqa: ANN001
+    """Over a bf16 pool the C++ attention rounds q and p to bf16 (bf16 dot products; test_kernels checks
+    that math exactly), the torch path computes in fp32 on the same pool rows. Whole-model logits (fp32
+    weights) then differ by that rounding alone, measured on this tiny model: mean |diff| 3.7e-3 on logits
+    of mean |x| 0.96, mean KL 1.2e-5, top-1 99.7%."""
     ids = [(i * 37 + i * i * 11) % 320 for i in range(300)]
     with_op = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16, dtype="float32")
     without = LLM(model=llama_dir, kv_cache_dtype="bfloat16", block_size=16, dtype="float32")
-    assert with_op.engine.runner.op is not None
-    without.engine.runner.op = None
+    assert with_op.engine.runner.op is not None and with_op.engine.runner.chunk_op
+    without.engine.runner.op = without.engine.runner.chunk_op = None
     a = torch.cat([lg for _, lg in chunk_logits(with_op.engine, ids, chunk=64)])
     b = torch.cat([lg for _, lg in chunk_logits(without.engine, ids, chunk=64)])
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    kl = torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+    assert (a - b).abs().mean() < 1e-2 and kl.mean() < 1e-4 and (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.98

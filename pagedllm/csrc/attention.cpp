@@ -24,6 +24,7 @@
 // through a 256-entry table. Head dims that are not a multiple of 16 go through zero-padded buffers.
 // Also here: rotary embedding, and attention_qkv (rope + the K/V write + attention in one call per layer).
 #include "attention.h"
+#include "vec16.h"
 
 #include <ATen/Parallel.h>
 
@@ -36,17 +37,11 @@
 
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+using vec::load16;
+using vec::store16;
+using vec::v16f;
+using vec::v16h;
+using vec::v16u;
 
 inline float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -143,9 +138,12 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
   float* sc = s.scores.data();
   float* acc_mem = s.acc.data();
   const float* q = it.q;
-  if (TAIL) {
+  const bool rq = K.dtype == 1;  // bf16 pool: q and p rounded to bf16 as in the chunk kernel's dot products
+  if (TAIL || rq) {
     s.qpad.assign(H * W, 0.f);
     for (int64_t h = 0; h < H; ++h) std::copy(it.q + h * D, it.q + (h + 1) * D, s.qpad.data() + h * W);
+    if (rq)
+      for (int64_t i = 0; i < H * W; i += 16) store16(s.qpad.data() + i, vec::round_bf16(load16(s.qpad.data() + i)));
     q = s.qpad.data();
   }
   const float* rows[KT];
@@ -182,18 +180,25 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
       store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p));
     }
   });
-  // pass 2: softmax numerators
+  // pass 2: softmax numerators from the exact max, summed unrounded (then rounded for a bf16 pool)
+  const int64_t nv = (n + 15) / 16;
   for (int64_t h = 0; h < H; ++h) {
     float* sg = sc + h * ld;
-    float m = -std::numeric_limits<float>::max();
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sg[j]);
-    float total = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
-      sg[j] = std::exp(sg[j] - m);
-      total += sg[j];
+    std::fill(sg + n, sg + 16 * nv, vec::kMasked);
+    v16f mv = v16f{} + vec::kMasked;
+    for (int64_t c = 0; c < nv; ++c) {
+      const v16f x = load16(sg + 16 * c);
+      mv = x > mv ? x : mv;
+    }
+    const float m = vec::hmax(mv);
+    v16f total = v16f{};
+    for (int64_t c = 0; c < nv; ++c) {
+      const v16f e = vec::exp16(load16(sg + 16 * c) - m);
+      total += e;
+      store16(sg + 16 * c, rq ? vec::round_bf16(e) : e);
     }
     it.mx[h] = m;
-    it.sum[h] = total;
+    it.sum[h] = vec::hsum(total);
   }
   // pass 3: V sums, GB x ND accumulators in registers for a tile's keys
   sweep(V, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
@@ -378,7 +383,9 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_paged,
                             c10::optional<torch::Tensor> block_tables, c10::optional<torch::Tensor> row_seq,
                             c10::optional<torch::Tensor> q_start, c10::optional<torch::Tensor> q_len,
-                            c10::optional<torch::Tensor> ctx_len, double scale, int64_t window) {
+                            c10::optional<torch::Tensor> ctx_len, double scale, int64_t window,
+                            c10::optional<torch::Tensor> chunk_tables, c10::optional<torch::Tensor> chunk_q_start,
+                            c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len) {
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && v_cache.scalar_type() == dt &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -424,6 +431,11 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     const auto q = qkv.narrow(1, 0, H * D).view({T, H, D}).narrow(0, 0, num_paged);  // [n, H, D], rows strided
     paged_attention(out.narrow(0, 0, num_paged), q, k_cache, v_cache, *block_tables, *row_seq, *q_start, *q_len,
                     *ctx_len, scale, window, c10::nullopt, c10::nullopt, c10::nullopt);
+  }
+  if (chunk_tables) {
+    TORCH_CHECK(chunk_q_start && chunk_q_len && chunk_ctx_len, "attention_qkv: chunks need their lengths");
+    attend_chunks(out, qkv.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache, *chunk_tables, *chunk_q_start,
+                  *chunk_q_len, *chunk_ctx_len, scale, window);
   }
   return out;
 }

@@ -32,12 +32,12 @@ inline uint16_t to_bf16(float f) {
   return f;
 }
 
-// xp: R rows of K2 bf16 pairs (uint32 each); panel: [K2, 48, 2]; out: R rows of 48 floats
+// xp: R rows of K2 bf16 pairs (uint32 each), ldx pairs apart; panel: [K2, 48, 2]; out: R rows of 48 floats
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 inline constexpr const char* kIsa = "avx512_bf16";
 
 template <int R>
-inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* out) {
+inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* panel, float* out) {
   __m512 acc[R][3];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -47,7 +47,7 @@ inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* o
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(pk + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(pk + 64);
     for (int i = 0; i < R; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i * K2 + k]));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[i * ldx + k]));
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xv);
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
       acc[i][2] = _mm512_dpbf16_ps(acc[i][2], w2, xv);
@@ -61,7 +61,7 @@ inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* o
 inline constexpr const char* kIsa = "avx512f";
 
 template <int R>
-inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* out) {
+inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* panel, float* out) {
   __m512 acc[R][3];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -75,7 +75,7 @@ inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* o
       wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
     }
     for (int i = 0; i < R; ++i) {
-      const uint32_t pair = xp[i * K2 + k];
+      const uint32_t pair = xp[i * ldx + k];
       const __m512 xe = _mm512_set1_ps(from_bf16(static_cast<uint16_t>(pair & 0xffff)));
       const __m512 xo = _mm512_set1_ps(from_bf16(static_cast<uint16_t>(pair >> 16)));
       for (int j = 0; j < 3; ++j) acc[i][j] = _mm512_fmadd_ps(wo[j], xo, _mm512_fmadd_ps(we[j], xe, acc[i][j]));
@@ -89,13 +89,13 @@ inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* o
 inline constexpr const char* kIsa = "generic";
 
 template <int R>
-inline void tile(const uint32_t* xp, int64_t K2, const uint16_t* panel, float* out) {
+inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* panel, float* out) {
   float acc[R][NR] = {};
   for (int64_t k = 0; k < K2; ++k) {
     const uint16_t* pk = panel + k * NR * 2;
     for (int i = 0; i < R; ++i) {
-      const float xe = from_bf16(static_cast<uint16_t>(xp[i * K2 + k] & 0xffff));
-      const float xo = from_bf16(static_cast<uint16_t>(xp[i * K2 + k] >> 16));
+      const float xe = from_bf16(static_cast<uint16_t>(xp[i * ldx + k] & 0xffff));
+      const float xo = from_bf16(static_cast<uint16_t>(xp[i * ldx + k] >> 16));
       for (int64_t c = 0; c < NR; ++c) acc[i][c] += from_bf16(pk[2 * c]) * xe + from_bf16(pk[2 * c + 1]) * xo;
     }
   }
@@ -108,7 +108,7 @@ template <int R>
 inline void tile_out(const uint32_t* xp, int64_t K2, const uint16_t* panel, const float* bias, float* y, int64_t O,
                      int64_t cols) {
   float tmp[R * NR];
-  tile<R>(xp, K2, panel, tmp);
+  tile<R>(xp, K2, K2, panel, tmp);
   for (int i = 0; i < R; ++i)
     for (int64_t c = 0; c < cols; ++c) y[i * O + c] = tmp[i * NR + c] + (bias ? bias[c] : 0.f);
 }

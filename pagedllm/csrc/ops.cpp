@@ -167,7 +167,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, bf16 or fp8 pool; fp32 math; CPU)");
   m.def("attention_qkv", &attention_qkv, "rope on q/k of qkv rows, their K/V written to an fp32 or bf16 pool, the "
-        "first num_paged rows attended over the pool; returns [T, H, D] (CPU)");
+        "first num_paged rows attended over the pool, prefill chunks of a bf16 pool too; returns [T, H, D] (CPU)");
+  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)");
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
   m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");

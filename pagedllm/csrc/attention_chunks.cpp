@@ -1,0 +1,209 @@
+// Attention of prefill chunks (fresh prompts and long mid-sequence chunks) over a bf16 paged pool, on bf16
+// dot products: the matrix-product half of attention, where the decode op (attention.cpp) goes a row at a time.
+//
+// Layout: q rows [T, H, D] fp32 with heads contiguous (rows q_stride floats apart: the qkv buffer), the pool
+// [NB, BS, KVH, D] bf16 for K and for V, out [T, H, D] fp32. A chunk's q_len rows are the last of its ctx_len
+// positions; its row i attends keys [lo, hi): hi = ctx_len - q_len + i + 1, lo = hi - window with a window.
+//
+// Once per (chunk, KV head): its K rows gathered contiguous [ctx, D] (d pairs along a row: the broadcast
+// operand of bf16::tile), its V transposed to key pairs [D, ctx / 2] (the P.V reduction runs over keys).
+// Work item = (chunk, KV head, 48 / G query rows), whose rows x the G query heads of the KV head (GQA) fill
+// the 48 lanes of bf16::tile's panel:
+//   S^T [keys, 48] = K . Q^T, 8 keys broadcast at a time against the q panel [D / 2, 48, 2] (q rounded to bf16);
+//   the exact max of each lane over all its keys, p = exp(s - max), the lane's sum of p in fp32, and p rounded
+//   to bf16 into a panel [keys / 2, 48, 2] written over S^T (pair i's rows 2i, 2i+1 are read before row i is
+//   written, and row i < 2i was read earlier);
+//   O^T [D, 48] = V^T . P, 8 dims broadcast at a time against the p panel; out = O / sum.
+// This is the decode op's math for a bf16 pool (q and p rounded alike, p from the exact max, the sum of p
+// unrounded, the same exp16), so a prompt attended here, chunked, or decoded row by row differs in the order
+// of fp32 sums only. Items go largest first to the threads from one counter (causal rows are uneven).
+// ISA: bf16::tile (vdpbf16ps with AVX512-BF16, widened FMAs with AVX512F, loops the compiler vectorizes
+// elsewhere); the softmax on vec16.h's 16-float vectors.
+#include "attention.h"
+#include "bf16_tile.h"
+#include "vec16.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using vec::v16f;
+using vec::v16i;
+using vec::v16u;
+
+constexpr int64_t NL = bf16::NR;  // lanes: (query row, head) pairs of an item
+constexpr int NV = NL / 16;       // their vectors
+constexpr int KT = 8;             // keys (S^T) or head dims (O^T) per tile call
+
+struct Chunk {
+  const int64_t* table;
+  int64_t q_start, q_len, ctx;
+  const uint16_t* k;  // [ctx + KT, D] gathered, zero rows after ctx
+  const uint32_t* v;  // [D, (ctx + 1) / 2] key pairs
+};
+
+struct Item {
+  int64_t chunk, kh, r0, cost;
+};
+
+// One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
+void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
+            float scale, int64_t window, float* out, std::vector<uint32_t>& qpanel, std::vector<float>& sbuf,
+            std::vector<float>& ot) {
+  const int64_t D2 = D / 2, rows_per = NL / G, rows = std::min(rows_per, c.q_len - r0), lanes = rows * G;
+  alignas(64) int32_t hi[NL], lo[NL];
+  int64_t klo = c.ctx, khi = 0;
+  for (int64_t l = 0; l < NL; ++l) {
+    if (l < lanes) {
+      hi[l] = static_cast<int32_t>(c.ctx - c.q_len + r0 + l / G + 1);
+      lo[l] = window > 0 ? std::max<int32_t>(0, hi[l] - static_cast<int32_t>(window)) : 0;
+      klo = std::min<int64_t>(klo, lo[l]);
+      khi = std::max<int64_t>(khi, hi[l]);
+    } else {
+      hi[l] = lo[l] = 0;  // padding lanes: no keys
+    }
+  }
+  klo &= ~int64_t{1};  // whole key pairs
+  const int64_t nk = khi - klo, np = (nk + 1) / 2;
+  // q panel [D / 2, 48, 2]: lane l = (row r0 + l / G, head kh * G + l % G)
+  qpanel.assign(D2 * NL, 0u);
+  for (int64_t l = 0; l < lanes; ++l) {
+    const float* qr = q + (c.q_start + r0 + l / G) * q_stride + (kh * G + l % G) * D;
+    for (int64_t k = 0; k < D2; ++k)
+      qpanel[k * NL + l] = static_cast<uint32_t>(bf16::to_bf16(qr[2 * k])) |
+                           static_cast<uint32_t>(bf16::to_bf16(qr[2 * k + 1])) << 16;
+  }
+  sbuf.resize((nk + 2 * KT) * NL);
+  float* S = sbuf.data();  // [keys, 48], row j = key klo + j
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qpanel.data());
+  const uint32_t* kp = reinterpret_cast<const uint32_t*>(c.k);
+  for (int64_t j0 = 0; j0 < nk; j0 += KT) bf16::tile<KT>(kp + (klo + j0) * D2, D2, D2, qp, S + j0 * NL);
+  // scale, mask, the lanes' max
+  v16i hv[NV], lv[NV];
+  v16f mx[NV];
+  for (int v = 0; v < NV; ++v) {
+    std::memcpy(&hv[v], hi + 16 * v, sizeof(v16i));
+    std::memcpy(&lv[v], lo + 16 * v, sizeof(v16i));
+    mx[v] = v16f{} + vec::kMasked;
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const int32_t key = static_cast<int32_t>(klo + j);
+    for (int v = 0; v < NV; ++v) {
+      v16f s = vec::load16(S + j * NL + 16 * v) * scale;
+      s = (key < hv[v]) & (key >= lv[v]) ? s : v16f{} + vec::kMasked;
+      vec::store16(S + j * NL + 16 * v, s);
+      mx[v] = s > mx[v] ? s : mx[v];
+    }
+  }
+  if (nk % 2)  // the last pair's second key
+    for (int v = 0; v < NV; ++v) vec::store16(S + nk * NL + 16 * v, v16f{} + vec::kMasked);
+  // p = exp(s - max), summed in key order; the p panel over S^T
+  v16f sum[NV];
+  for (int v = 0; v < NV; ++v) {
+    mx[v] = mx[v] > vec::kMasked ? mx[v] : v16f{};  // padding lanes: p = 0
+    sum[v] = v16f{};
+  }
+  uint32_t* P = reinterpret_cast<uint32_t*>(S);
+  for (int64_t i = 0; i < np; ++i)
+    for (int v = 0; v < NV; ++v) {
+      const v16f p0 = vec::exp16(vec::load16(S + 2 * i * NL + 16 * v) - mx[v]);
+      const v16f p1 = vec::exp16(vec::load16(S + (2 * i + 1) * NL + 16 * v) - mx[v]);
+      sum[v] += p0;
+      sum[v] += p1;
+      const v16u pair = (vec::bf16_bits(p0) >> 16) | vec::bf16_bits(p1);
+      std::memcpy(P + i * NL + 16 * v, &pair, sizeof(pair));
+    }
+  // O^T [D, 48] = V^T . P over the item's key pairs
+  const int64_t ldv = (c.ctx + 1) / 2;
+  ot.resize(D * NL);
+  const uint16_t* pp = reinterpret_cast<const uint16_t*>(P);
+  for (int64_t d0 = 0; d0 < D; d0 += KT) bf16::tile<KT>(c.v + d0 * ldv + klo / 2, ldv, np, pp, ot.data() + d0 * NL);
+  alignas(64) float inv[NL];
+  for (int v = 0; v < NV; ++v) vec::store16(inv + 16 * v, 1.f / (sum[v] > 0.f ? sum[v] : v16f{} + 1.f));
+  for (int64_t l = 0; l < lanes; ++l) {
+    float* o = out + ((c.q_start + r0 + l / G) * H + kh * G + l % G) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[d * NL + l] * inv[l];
+  }
+}
+
+}  // namespace
+
+void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
+                   double scale, int64_t window) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16 &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "attend_chunks: the pools must be contiguous bf16");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
+              "attend_chunks: q and out must be fp32, out contiguous");
+  const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2), MAXB = block_tables.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "attend_chunks: q rows must hold their heads contiguously");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= NL && k_cache.size(3) == D, "attend_chunks: heads and pool do not match");
+  TORCH_CHECK(D % KT == 0, "attend_chunks: head_dim must be a multiple of ", KT);
+  const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0), row = KVH * D;
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* cl = ctx_len.data_ptr<int64_t>();
+  // per (chunk, KV head): gathered K and transposed V
+  std::vector<Chunk> chunks(n * KVH);
+  std::vector<int64_t> koff(n * KVH + 1, 0), voff(n * KVH + 1, 0);
+  for (int64_t i = 0; i < n * KVH; ++i) {
+    const int64_t ctx = cl[i / KVH];
+    TORCH_CHECK(ql[i / KVH] >= 1 && ql[i / KVH] <= ctx && ctx <= MAXB * BS, "attend_chunks: bad chunk lengths");
+    koff[i + 1] = koff[i] + (ctx + KT) * D;
+    voff[i + 1] = voff[i] + D * ((ctx + 1) / 2);
+  }
+  std::vector<uint16_t> kbuf(koff.back());
+  std::vector<uint32_t> vbuf(voff.back());
+  const uint16_t* kpool = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
+  const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
+  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = (ctx + 1) / 2;
+      const int64_t* table = bt + s * MAXB;
+      uint16_t* kd = kbuf.data() + koff[i];
+      uint32_t* vd = vbuf.data() + voff[i];
+      auto slot_row = [&](const uint16_t* pool, int64_t t) {
+        return pool + (table[t / BS] * BS + t % BS) * row + kh * D;
+      };
+      for (int64_t t = 0; t < ctx; ++t) std::memcpy(kd + t * D, slot_row(kpool, t), D * sizeof(uint16_t));
+      std::fill(kd + ctx * D, kd + (ctx + KT) * D, uint16_t{0});
+      for (int64_t p = 0; p < ldv; ++p) {
+        const uint16_t* v0 = slot_row(vpool, 2 * p);
+        const uint16_t* v1 = 2 * p + 1 < ctx ? slot_row(vpool, 2 * p + 1) : nullptr;
+        for (int64_t d = 0; d < D; ++d)
+          vd[d * ldv + p] = static_cast<uint32_t>(v0[d]) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
+      }
+      chunks[i] = Chunk{table, qs[s], ql[s], ctx, kd, vd};
+    }
+  });
+  const int64_t rows_per = NL / G;
+  std::vector<Item> items;
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t r0 = 0; r0 < ql[s]; r0 += rows_per) {
+      const int64_t last = cl[s] - ql[s] + std::min(r0 + rows_per, ql[s]);  // the item's furthest key
+      const int64_t span = window > 0 ? std::min(last, window + rows_per) : last;
+      for (int64_t kh = 0; kh < KVH; ++kh) items.push_back(Item{s, kh, r0, span});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const float fscale = static_cast<float>(scale);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<uint32_t> qpanel;
+    std::vector<float> sbuf, ot;
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
+      const Item& it = items[i];
+      attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, qpanel, sbuf,
+             ot);
+    }
+  });
+}

@@ -1,0 +1,79 @@
+// 16-float vectors for the attention kernels (GCC vector extensions: one AVX-512 register where
+// -march=native has AVX-512, a pair of AVX2 registers or four SSE ones elsewhere), and the two pieces of
+// math the decode op and the chunk kernel must compute alike: exp and bf16 rounding.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace vec {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// Masked scores: finite because the build uses -ffast-math (no infinities); exp() of anything this far
+// below a row's max is 0
+inline constexpr float kMasked = -1e30f;
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline v16u bits(v16f v) {
+  v16u u;
+  std::memcpy(&u, &v, sizeof(u));
+  return u;
+}
+
+inline v16f from_bits(v16u u) {
+  v16f v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// Round to nearest even at bf16 precision, as bf16 bits in the top half of each lane (finite inputs)
+inline v16u bf16_bits(v16f v) {
+  const v16u u = bits(v);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+}
+
+inline v16f round_bf16(v16f v) { return from_bits(bf16_bits(v)); }
+
+// exp(x) = 2^n e^r, n = floor(x log2(e) + 1/2), r = x - n ln(2) in two parts, e^r by Cephes' degree-6
+// polynomial (~1 ulp); 0 below -87 (where expf is denormal or 0), so kMasked scores give 0
+inline v16f exp16(v16f x) {
+  const v16f xc = x < -87.f ? v16f{} - 87.f : (x > 88.f ? v16f{} + 88.f : x);
+  v16f fx = xc * 1.44269504088896341f + 0.5f;
+  v16i n = __builtin_convertvector(fx, v16i);  // truncates: floor for negatives below
+  n += __builtin_convertvector(n, v16f) > fx;  // true lanes are -1
+  const v16f nf = __builtin_convertvector(n, v16f);
+  const v16f r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16f y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const v16u scale = __builtin_convertvector((n + 127) << 23, v16u);
+  const v16f out = y * from_bits(scale);
+  return x < -87.f ? v16f{} : out;
+}
+
+inline float hmax(v16f v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+}  // namespace vec
