@@ -54,6 +54,7 @@ class ChunkRows:
     q_start: torch.Tensor  # [P]
     q_len: torch.Tensor  # [P]
     ctx_len: torch.Tensor  # [P]
+    scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))  # the op grows it once a step
 
 
 @dataclass
@@ -133,7 +134,7 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
     p = meta.paged
     rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
     c = meta.chunks
-    chunks = (c.block_tables, c.q_start, c.q_len, c.ctx_len) if c else (None,) * 4
+    chunks = (c.block_tables, c.q_start, c.q_len, c.ctx_len, c.scratch) if c else (None,) * 5
     out = ops.attention_qkv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, num_heads, rows, *tables, scale,
                             meta.sliding_window or 0, *chunks)
     if meta.prefills and c is None:

@@ -269,8 +269,8 @@ def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: 
     k = k.reshape(t, kv_heads, d) * c2 + rotate_half(k.reshape(t, kv_heads, d)) * s2
     bt = torch.tensor([tb + [0] * (3 - len(tb)) for tb in tables[:3]])
     # over a bf16 pool the op attends the fresh prompt too (the chunk kernel), over fp32 it leaves it to SDPA
-    chunk = (torch.tensor([[3]]), torch.tensor([5]), torch.tensor([4]), torch.tensor([4])) if pool == torch.bfloat16 \
-        else (None,) * 4
+    chunk = (torch.tensor([[3]]), torch.tensor([5]), torch.tensor([4]), torch.tensor([4]), torch.empty(0, dtype=torch.uint8)) \
+        if pool == torch.bfloat16 else (None,) * 5
     out = attention_qkv(qkv, cos, sin, cache.k, cache.v, slots, heads, 5, bt, torch.tensor([0, 1, 2, 2, 2]),
                         torch.tensor([0, 1, 2]), torch.tensor([1, 1, 3]), torch.tensor([41, 21, 20]), d ** -0.5, 0,
                         *chunk)
@@ -318,7 +318,12 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     q_start = torch.cumsum(q_len, 0) - q_len
     q = torch.randn(int(q_len.sum()), heads, d, generator=g)
     out, by_rows = torch.zeros_like(q), torch.zeros_like(q)
-    ops.attend_chunks(out, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window)
+    scratch = torch.empty(0, dtype=torch.uint8)
+    ops.attend_chunks(out, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch)
+    assert scratch.numel() > 0  # grown for the next layer to reuse, whose results do not depend on what it held
+    again = torch.zeros_like(q)
+    ops.attend_chunks(again, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch)
+    assert torch.equal(again, out)
     row_seq = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
     ops.paged_attention(by_rows, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None)
     refs = []

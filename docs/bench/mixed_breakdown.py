@@ -32,8 +32,8 @@ def rows(_w, x) -> str:  # noqa: ANN001
 
 
 weight_formats.GGMLWeight.matmul = timed(weight_formats.GGMLWeight.matmul, key=rows)
-attention._attend_prefills = timed(attention._attend_prefills, "SDPA over fresh prompts")
-llama.attention_from_qkv = timed(llama.attention_from_qkv, "attention calls (SDPA included)")
+attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
+llama.attention_from_qkv = timed(llama.attention_from_qkv, "attention calls (all paths)")
 model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
 engine = LLMEngine(EngineConfig(dtype="bfloat16"))
 for i, w in enumerate(mixed(64, engine.model_config.vocab_size, 0)):

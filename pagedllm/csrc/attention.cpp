@@ -385,7 +385,8 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> q_start, c10::optional<torch::Tensor> q_len,
                             c10::optional<torch::Tensor> ctx_len, double scale, int64_t window,
                             c10::optional<torch::Tensor> chunk_tables, c10::optional<torch::Tensor> chunk_q_start,
-                            c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len) {
+                            c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
+                            c10::optional<torch::Tensor> chunk_scratch) {
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && v_cache.scalar_type() == dt &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -433,9 +434,10 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                     *ctx_len, scale, window, c10::nullopt, c10::nullopt, c10::nullopt);
   }
   if (chunk_tables) {
-    TORCH_CHECK(chunk_q_start && chunk_q_len && chunk_ctx_len, "attention_qkv: chunks need their lengths");
+    TORCH_CHECK(chunk_q_start && chunk_q_len && chunk_ctx_len && chunk_scratch,
+                "attention_qkv: chunks need their lengths and a scratch tensor");
     attend_chunks(out, qkv.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache, *chunk_tables, *chunk_q_start,
-                  *chunk_q_len, *chunk_ctx_len, scale, window);
+                  *chunk_q_len, *chunk_ctx_len, scale, window, *chunk_scratch);
   }
   return out;
 }

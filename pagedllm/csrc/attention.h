@@ -22,11 +22,13 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> q_start, c10::optional<torch::Tensor> q_len,
                             c10::optional<torch::Tensor> ctx_len, double scale, int64_t window,
                             c10::optional<torch::Tensor> chunk_tables, c10::optional<torch::Tensor> chunk_q_start,
-                            c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len);
+                            c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
+                            c10::optional<torch::Tensor> chunk_scratch);
 
 // Prefill chunks over a bf16 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i] rows from
 // q_start[i] are the last of its ctx_len[i] positions, its keys in the blocks of block_tables[i]; writes
-// those rows of out [T, H, D]
+// those rows of out [T, H, D]. scratch: a uint8 tensor the op grows to what it needs and leaves so (pass the
+// same one to every layer of a step: its pages are touched once)
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
-                   double scale, int64_t window);
+                   double scale, int64_t window, torch::Tensor scratch);

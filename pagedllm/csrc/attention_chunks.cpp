@@ -51,10 +51,15 @@ struct Item {
   int64_t chunk, kh, r0, cost;
 };
 
+// Scratch of one worker: q panel [D / 2, 48], S^T (then P) [keys + 2 KT, 48], O^T [D, 48]
+struct Work {
+  uint32_t* qpanel;
+  float *sbuf, *ot;
+};
+
 // One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
 void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
-            float scale, int64_t window, float* out, std::vector<uint32_t>& qpanel, std::vector<float>& sbuf,
-            std::vector<float>& ot) {
+            float scale, int64_t window, float* out, const Work& w) {
   const int64_t D2 = D / 2, rows_per = NL / G, rows = std::min(rows_per, c.q_len - r0), lanes = rows * G;
   alignas(64) int32_t hi[NL], lo[NL];
   int64_t klo = c.ctx, khi = 0;
@@ -71,16 +76,16 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   klo &= ~int64_t{1};  // whole key pairs
   const int64_t nk = khi - klo, np = (nk + 1) / 2;
   // q panel [D / 2, 48, 2]: lane l = (row r0 + l / G, head kh * G + l % G)
-  qpanel.assign(D2 * NL, 0u);
+  uint32_t* qpanel = w.qpanel;
+  std::fill(qpanel, qpanel + D2 * NL, 0u);
   for (int64_t l = 0; l < lanes; ++l) {
     const float* qr = q + (c.q_start + r0 + l / G) * q_stride + (kh * G + l % G) * D;
     for (int64_t k = 0; k < D2; ++k)
       qpanel[k * NL + l] = static_cast<uint32_t>(bf16::to_bf16(qr[2 * k])) |
                            static_cast<uint32_t>(bf16::to_bf16(qr[2 * k + 1])) << 16;
   }
-  sbuf.resize((nk + 2 * KT) * NL);
-  float* S = sbuf.data();  // [keys, 48], row j = key klo + j
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qpanel.data());
+  float* S = w.sbuf;  // [keys, 48], row j = key klo + j
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(qpanel);
   const uint32_t* kp = reinterpret_cast<const uint32_t*>(c.k);
   for (int64_t j0 = 0; j0 < nk; j0 += KT) bf16::tile<KT>(kp + (klo + j0) * D2, D2, D2, qp, S + j0 * NL);
   // scale, mask, the lanes' max
@@ -120,9 +125,9 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
     }
   // O^T [D, 48] = V^T . P over the item's key pairs
   const int64_t ldv = (c.ctx + 1) / 2;
-  ot.resize(D * NL);
+  float* ot = w.ot;
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P);
-  for (int64_t d0 = 0; d0 < D; d0 += KT) bf16::tile<KT>(c.v + d0 * ldv + klo / 2, ldv, np, pp, ot.data() + d0 * NL);
+  for (int64_t d0 = 0; d0 < D; d0 += KT) bf16::tile<KT>(c.v + d0 * ldv + klo / 2, ldv, np, pp, ot + d0 * NL);
   alignas(64) float inv[NL];
   for (int v = 0; v < NV; ++v) vec::store16(inv + 16 * v, 1.f / (sum[v] > 0.f ? sum[v] : v16f{} + 1.f));
   for (int64_t l = 0; l < lanes; ++l) {
@@ -135,7 +140,7 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
 
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
-                   double scale, int64_t window) {
+                   double scale, int64_t window, torch::Tensor scratch) {
   TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16 &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
               "attend_chunks: the pools must be contiguous bf16");
@@ -159,16 +164,35 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
     koff[i + 1] = koff[i] + (ctx + KT) * D;
     voff[i + 1] = voff[i] + D * ((ctx + 1) / 2);
   }
-  std::vector<uint16_t> kbuf(koff.back());
-  std::vector<uint32_t> vbuf(voff.back());
+  const int64_t rows_per = NL / G;
+  std::vector<Item> items;
+  int64_t max_keys = 0;
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t r0 = 0; r0 < ql[s]; r0 += rows_per) {
+      const int64_t last = cl[s] - ql[s] + std::min(r0 + rows_per, ql[s]);  // the item's furthest key
+      const int64_t span = window > 0 ? std::min(last, window + rows_per) : last;
+      max_keys = std::max(max_keys, span + 1);  // + 1: the first key pair may start one early
+      for (int64_t kh = 0; kh < KVH; ++kh) items.push_back(Item{s, kh, r0, span});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  // one buffer (the caller's, grown here and kept for the step's other layers: no page faults per call)
+  const int64_t work_floats = (D / 2) * NL + (max_keys + 2 * KT) * NL + D * NL;
+  const int64_t need = (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64 + workers * work_floats * 4;
+  TORCH_CHECK(scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous(), "attend_chunks: scratch must be uint8");
+  if (scratch.numel() < need) scratch.resize_({need});
+  uint8_t* base = scratch.data_ptr<uint8_t>();
+  uint16_t* kbuf = reinterpret_cast<uint16_t*>(base);
+  uint32_t* vbuf = reinterpret_cast<uint32_t*>(base + koff.back() * 2);
+  float* work = reinterpret_cast<float*>(base + (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64);
   const uint16_t* kpool = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
   const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = (ctx + 1) / 2;
       const int64_t* table = bt + s * MAXB;
-      uint16_t* kd = kbuf.data() + koff[i];
-      uint32_t* vd = vbuf.data() + voff[i];
+      uint16_t* kd = kbuf + koff[i];
+      uint32_t* vd = vbuf + voff[i];
       auto slot_row = [&](const uint16_t* pool, int64_t t) {
         return pool + (table[t / BS] * BS + t % BS) * row + kh * D;
       };
@@ -183,27 +207,16 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
       chunks[i] = Chunk{table, qs[s], ql[s], ctx, kd, vd};
     }
   });
-  const int64_t rows_per = NL / G;
-  std::vector<Item> items;
-  for (int64_t s = 0; s < n; ++s)
-    for (int64_t r0 = 0; r0 < ql[s]; r0 += rows_per) {
-      const int64_t last = cl[s] - ql[s] + std::min(r0 + rows_per, ql[s]);  // the item's furthest key
-      const int64_t span = window > 0 ? std::min(last, window + rows_per) : last;
-      for (int64_t kh = 0; kh < KVH; ++kh) items.push_back(Item{s, kh, r0, span});
-    }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const float fscale = static_cast<float>(scale);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<uint32_t> qpanel;
-    std::vector<float> sbuf, ot;
+  at::parallel_for(0, workers, 1, [&](int64_t wid, int64_t) {
+    float* mine = work + wid * work_floats;
+    const Work w{reinterpret_cast<uint32_t*>(mine), mine + (D / 2) * NL, mine + (D / 2) * NL + (max_keys + 2 * KT) * NL};
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
-      attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, qpanel, sbuf,
-             ot);
+      attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, w);
     }
   });
 }
