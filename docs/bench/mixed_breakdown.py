@@ -1,8 +1,9 @@
-"""Where the mixed workload's time goes: the engine's calls wrapped with timers (linears by row count, SDPA
-over fresh prompts, the whole attention call), the default model, bf16 dense parts.
-Run: .venv/bin/python docs/bench/mixed_breakdown.py   (the wrappers add ~1 us a call)"""
+"""Where the mixed (or shared-prefix) workload's time goes: the engine's calls wrapped with timers (linears by
+row count, SDPA over prompts where the pool is fp32, the whole attention call), the default model, bf16 dense
+parts. Run: .venv/bin/python docs/bench/mixed_breakdown.py [shared-prefix]   (the wrappers add ~1 us a call)"""
 
 import collections
+import sys
 import time
 
 import pagedllm.attention as attention
@@ -12,7 +13,7 @@ import pagedllm.weight_formats as weight_formats
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.workloads import mixed
+from pagedllm.workloads import mixed, shared_prefix
 
 spent: collections.Counter = collections.Counter()
 
@@ -36,7 +37,8 @@ attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompt
 llama.attention_from_qkv = timed(llama.attention_from_qkv, "attention calls (all paths)")
 model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
 engine = LLMEngine(EngineConfig(dtype="bfloat16"))
-for i, w in enumerate(mixed(64, engine.model_config.vocab_size, 0)):
+workload = shared_prefix if sys.argv[1:] == ["shared-prefix"] else mixed
+for i, w in enumerate(workload(64, engine.model_config.vocab_size, 0)):
     engine.add_request(f"r{i}", {"prompt_token_ids": w.prompt_token_ids},
                        SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True))
 t0 = time.perf_counter()

@@ -19,14 +19,23 @@
 // 3 KV heads, D 64), one decode row over 576 keys 31-45 -> 19-31 us a layer, 64 rows 976-1294 -> 630-934 us;
 // Llama-3-8B's (32 / 8, D 128) 64 rows 5190-6380 -> 3230-5340 us, one row no slower.
 //
+// A bf16 pool's math: q and p rounded to bf16 (round-to-nearest-even), p from the exact max of the row's
+// keys, the sum of unrounded p: the chunk kernel's (attention_chunks.cpp), so a prompt attended there or
+// here row by row differs in the order of fp32 sums only. (The split of a row's keys below merges partial
+// maxima, so its p are rounded relative to those.)
+//
 // ISA: GCC vector extensions of 16 floats, so one code path compiles to AVX-512 where -march=native
 // has it and to pairs of AVX2 (or SSE) registers elsewhere; bf16 is widened by a 16-bit shift, fp8
 // through a 256-entry table. Head dims that are not a multiple of 16 go through zero-padded buffers.
+// With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128} runs attend_item_bf16 instead: vdpbf16ps on the
+// pool's rows as stored (no widening), 2-2.4x the widening path at 64 rows (docs/bench/attention_microbench.py:
+// 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us).
 // Also here: rotary embedding, and attention_qkv (rope + the K/V write + attention in one call per layer).
 #include "attention.h"
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -65,6 +74,15 @@ inline v16f reduce_keys(const v16f (&p)[KT]) {
   if constexpr (KT == 16) return pair_sum(pair_sum(l2[0], l2[1]), pair_sum(l2[2], l2[3]));
   const v16f l3 = pair_sum(l2[0], l2[1]);
   return pair_sum(l3, l3);
+}
+
+// One tile's KT scores of one head: dot(j) is key j's 16 partial products, summed by reduce_keys (keys from
+// cnt on score 0)
+template <int KT, class Dot>
+inline v16f tile_scores(int cnt, Dot&& dot) {
+  v16f p[KT];
+  for (int j = 0; j < KT; ++j) p[j] = j < cnt ? dot(j) : v16f{0};
+  return reduce_keys<KT>(p);
 }
 
 // A pool's slot row (KVH heads of D values) as fp32 with each head at a multiple of W = 16 * ND floats:
@@ -121,6 +139,32 @@ struct Scratch {
   std::vector<float> scores, tile, qpad, acc;
 };
 
+// Pass 2 of an item: each head's n scores (rows of sc, ld apart, ld >= 16 ceil(n / 16) + 16) -> the softmax
+// numerators from the exact max, summed unrounded, stored rounded to bf16 if `round`; the slack after them 0
+// (a key pair may read one past the last key)
+void softmax_rows(const Item& it, float* sc, int64_t H, int64_t n, int64_t ld, bool round) {
+  const int64_t nv = (n + 15) / 16;
+  for (int64_t h = 0; h < H; ++h) {
+    float* sg = sc + h * ld;
+    std::fill(sg + n, sg + 16 * nv, vec::kMasked);
+    v16f mv = v16f{} + vec::kMasked;
+    for (int64_t c = 0; c < nv; ++c) {
+      const v16f x = load16(sg + 16 * c);
+      mv = x > mv ? x : mv;
+    }
+    const float m = vec::hmax(mv);
+    v16f total = v16f{};
+    for (int64_t c = 0; c < nv; ++c) {
+      const v16f e = vec::exp16(load16(sg + 16 * c) - m);
+      total += e;
+      store16(sg + 16 * c, round ? vec::round_bf16(e) : e);
+    }
+    std::fill(sg + 16 * nv, sg + 16 * nv + 16, 0.f);
+    it.mx[h] = m;
+    it.sum[h] = vec::hsum(total);
+  }
+}
+
 // All heads of one item: key tiles of KT in order (K in pass 1, V in pass 3, each slot row read once and
 // sequentially); within a tile, per KV head its G query heads GB at a time
 template <int ND, int GB, bool TAIL>
@@ -165,41 +209,15 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
     v16f qr[GB][ND];
     for (int g = 0; g < GB; ++g)
       for (int c = 0; c < ND; ++c) qr[g][c] = load16(q + (h0 + g) * W + 16 * c) * scale;
-    for (int g = 0; g < GB; ++g) {
-      v16f p[KT];
-      for (int j = 0; j < KT; ++j) {
-        if (j >= cnt) {
-          p[j] = v16f{0};
-          continue;
-        }
-        const float* kr = rows[j] + kh * W;
-        v16f a = qr[g][0] * load16(kr);
-        for (int c = 1; c < ND; ++c) a += qr[g][c] * load16(kr + 16 * c);
-        p[j] = a;
-      }
-      store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p));
-    }
+    for (int g = 0; g < GB; ++g)
+      store16(sc + (h0 + g) * ld + (t0 - it.lo), tile_scores<KT>(cnt, [&](int j) {
+                const float* kr = rows[j] + kh * W;
+                v16f a = qr[g][0] * load16(kr);
+                for (int c = 1; c < ND; ++c) a += qr[g][c] * load16(kr + 16 * c);
+                return a;
+              }));
   });
-  // pass 2: softmax numerators from the exact max, summed unrounded (then rounded for a bf16 pool)
-  const int64_t nv = (n + 15) / 16;
-  for (int64_t h = 0; h < H; ++h) {
-    float* sg = sc + h * ld;
-    std::fill(sg + n, sg + 16 * nv, vec::kMasked);
-    v16f mv = v16f{} + vec::kMasked;
-    for (int64_t c = 0; c < nv; ++c) {
-      const v16f x = load16(sg + 16 * c);
-      mv = x > mv ? x : mv;
-    }
-    const float m = vec::hmax(mv);
-    v16f total = v16f{};
-    for (int64_t c = 0; c < nv; ++c) {
-      const v16f e = vec::exp16(load16(sg + 16 * c) - m);
-      total += e;
-      store16(sg + 16 * c, rq ? vec::round_bf16(e) : e);
-    }
-    it.mx[h] = m;
-    it.sum[h] = vec::hsum(total);
-  }
+  softmax_rows(it, sc, H, n, ld, rq);
   // pass 3: V sums, GB x ND accumulators in registers for a tile's keys
   sweep(V, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     v16f acc[GB][ND];
@@ -219,6 +237,110 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
 }
 
 using ItemFn = void (*)(const Item&, int64_t, int64_t, const Pool&, const Pool&, int64_t, float, Scratch&);
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// A bf16 pool's item on bf16 dot products, D = 32 * NC: q (rounded to bf16) against the pool's K rows as they
+// are (pairs of d), and V by pairs of keys (rows j, j+1 interleaved by unpack: within each 128-bit lane,
+// unpacklo holds d 0-3 and unpackhi d 4-7 of that lane's 8, so the accumulators hold d in that order until the
+// end). The same math as attend_item's for this pool (products of bf16 values are exact in fp32).
+template <int NC, int GB>
+void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Pool& V, int64_t BS, float scale,
+                      Scratch& s) {
+  constexpr int KT = NC <= 2 ? 16 : 8;
+  constexpr int ND = 2 * NC;  // 16-float accumulators per head
+  const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = (n + 15) / 16 * 16 + 16;
+  s.scores.resize(H * ld);
+  s.acc.assign(H * D, 0.f);
+  float* sc = s.scores.data();
+  float* acc_mem = s.acc.data();  // [H, D] in the unpack order
+  s.qpad.resize(H * D / 2 + 16);
+  uint32_t* qb = reinterpret_cast<uint32_t*>(s.qpad.data());  // q as bf16 pairs [H, D / 2]
+  for (int64_t i = 0; i < H * D; i += 32) {
+    const v16u lo = vec::bf16_bits(load16(it.q + i)) >> 16, hi = vec::bf16_bits(load16(it.q + i + 16)) >> 16;
+    for (int j = 0; j < 8; ++j) {  // pairs (2j, 2j + 1) of the 32
+      qb[i / 2 + j] = lo[2 * j] | (lo[2 * j + 1] << 16);
+      qb[i / 2 + 8 + j] = hi[2 * j] | (hi[2 * j + 1] << 16);
+    }
+  }
+  const uint16_t* kp = static_cast<const uint16_t*>(K.data);
+  const uint16_t* vp = static_cast<const uint16_t*>(V.data);
+  const uint16_t* rows[KT + 1];
+  static const uint16_t zeros[256] = {};
+  auto sweep = [&](const uint16_t* pool, auto&& group) {
+    for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
+      const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
+      for (int j = 0; j < cnt; ++j) {
+        const int64_t t = t0 + j;
+        rows[j] = pool + (it.table[t / BS] * BS + t % BS) * K.row_stride;
+      }
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
+    }
+  };
+  sweep(kp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+    __m512bh qr[GB][NC];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < NC; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
+    for (int g = 0; g < GB; ++g)
+      store16(sc + (h0 + g) * ld + (t0 - it.lo), tile_scores<KT>(cnt, [&](int j) {
+                const uint16_t* kr = rows[j] + kh * D;
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qr[g][0], (__m512bh)_mm512_loadu_si512(kr));
+                for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qr[g][c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
+                return (v16f)a;
+              }) * scale);
+  });
+  softmax_rows(it, sc, H, n, ld, true);
+  sweep(vp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+    __m512 acc[GB][ND];
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_loadu_ps(acc_mem + (h0 + g) * D + 16 * c);
+    for (int j = 0; j < cnt; j += 2) {
+      const uint16_t* v0 = rows[j] + kh * D;
+      const uint16_t* v1 = j + 1 < cnt ? rows[j + 1] + kh * D : zeros;  // its p is 0 (masked past hi)
+      for (int c = 0; c < NC; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < GB; ++g) {
+          const float* pr = sc + (h0 + g) * ld + (t0 - it.lo) + j;
+          uint32_t b0, b1;
+          std::memcpy(&b0, pr, 4);
+          std::memcpy(&b1, pr + 1, 4);
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>((b0 >> 16) | (b1 & 0xffff0000u)));
+          acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, pp);
+          acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, pp);
+        }
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc_mem + (h0 + g) * D + 16 * c, acc[g][c]);
+  });
+  for (int64_t h = 0; h < H; ++h)  // undo the unpack order: vector 2c + u, lane i -> d = 32c + 8 (i / 4) + 4u + i % 4
+    for (int64_t c = 0; c < ND; ++c)
+      for (int i = 0; i < 16; ++i)
+        it.acc[h * D + 32 * (c / 2) + 8 * (i / 4) + 4 * (c % 2) + i % 4] = acc_mem[h * D + 16 * c + i];
+}
+
+template <int NC>
+ItemFn pick_bf16_group(int64_t G) {
+  constexpr int ND = 2 * NC;
+  if (G % 4 == 0 && 4 * ND <= 16) return attend_item_bf16<NC, 4>;
+  if (G % 3 == 0 && 3 * ND <= 16) return attend_item_bf16<NC, 3>;
+  if (G % 2 == 0 && 2 * ND <= 16) return attend_item_bf16<NC, 2>;
+  return attend_item_bf16<NC, 1>;
+}
+
+ItemFn pick_bf16(int64_t D, int64_t G) {
+  switch (D) {
+    case 32: return pick_bf16_group<1>(G);
+    case 64: return pick_bf16_group<2>(G);
+    case 96: return pick_bf16_group<3>(G);
+    case 128: return pick_bf16_group<4>(G);
+    default: return nullptr;
+  }
+}
+#else
+ItemFn pick_bf16(int64_t, int64_t) { return nullptr; }  // bf16 pools widen to fp32 (attend_item)
+#endif
 
 template <int ND, bool TAIL>
 ItemFn pick_group(int64_t G) {
@@ -268,7 +390,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MAXB = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "paged_attention: q rows must hold their heads contiguously");
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_attention: heads and pool do not match");
-  const ItemFn fn = pick_kernel(D, H / KVH);
+  const ItemFn bf = dt == torch::kBFloat16 ? pick_bf16(D, H / KVH) : nullptr;
+  const ItemFn fn = bf ? bf : pick_kernel(D, H / KVH);
   TORCH_CHECK(fn != nullptr, "paged_attention: head_dim ", D, " is not supported (at most 128, or 256)");
   const int dtype = fp8 ? 2 : dt == torch::kBFloat16 ? 1 : 0;
   Pool K{k_cache.data_ptr(), dtype, KVH * D, KVH, D}, V{v_cache.data_ptr(), dtype, KVH * D, KVH, D};
