@@ -192,7 +192,10 @@ class LlamaForCausalLM(nn.Module):
                  mlp_bias: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init (the loader fills it; nn.init.normal_ under a meta device context goes
+        # through torch._refs, which imports torch._dynamo and triton: ~70 MiB of RSS and ~1 s of startup)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
