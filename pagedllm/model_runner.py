@@ -41,7 +41,8 @@ class ModelRunner:
         self.argmax = ops.argmax_rows if ops is not None else None
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
         self.op = ops.paged_attention if ops is not None and op_pool else None
-        # a bf16 pool's prefills go to the op's chunk kernel (bf16 dot products) instead of SDPA
+        # a bf16 pool's prefills go to the op's chunk kernel (bf16 dot products) instead of SDPA (whoever
+        # turns self.op off turns this off too)
         self.chunk_op = self.op is not None and not self.caches[0].lossy and kv_dtype == torch.bfloat16
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if self.chunk_op else PAGED_CHUNK_MAX
 
@@ -76,6 +77,8 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         paged_tables: list[list[int]] = []
         paged_meta: list[tuple[int, int, int]] = []  # (q_start, q_len, ctx_len)
+        chunk_tables: list[list[int]] = []  # prefills for the chunk kernel (instead of `prefills`)
+        chunk_meta: list[tuple[int, int, int]] = []
         for s in order:
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
@@ -93,6 +96,9 @@ class ModelRunner:
             if n == 1:
                 dec_tables.append(table[:nb])
                 dec_lens.append(ctx)
+            elif self.chunk_op and not paged:
+                chunk_tables.append(table[:nb])
+                chunk_meta.append((q_start, n, ctx))
             elif not paged:
                 prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
                                            build_mask(n, ctx, self.sliding_window)))
@@ -105,22 +111,20 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(dec_tables), prefills=prefills,
                                  sliding_window=self.sliding_window, op=self.op)
         if self.op is not None and paged_meta:
-            width = max(len(t) for t in paged_tables)
             row_seq = [i for i, (_, n, _) in enumerate(paged_meta) for _ in range(n)]
-            q_starts, q_lens, ctx_lens = zip(*paged_meta)
-            meta.paged = PagedRows(len(row_seq), torch.tensor([t + [0] * (width - len(t)) for t in paged_tables]),
-                                   torch.tensor(row_seq), torch.tensor(q_starts), torch.tensor(q_lens),
-                                   torch.tensor(ctx_lens))
+            meta.paged = PagedRows(len(row_seq), _padded(paged_tables), torch.tensor(row_seq),
+                                   *(torch.tensor(v) for v in zip(*paged_meta)))
         elif dec_tables:
-            width = max(len(t) for t in dec_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
-            meta.decode_mask = build_decode_mask(dec_lens, width * bs, self.sliding_window)
-        if self.chunk_op and prefills:
-            width = max(p.block_table.numel() for p in prefills)
-            meta.chunks = ChunkRows(
-                torch.stack([torch.nn.functional.pad(p.block_table, (0, width - p.block_table.numel()))
-                             for p in prefills]),
-                *(torch.tensor(v) for v in zip(*((p.q_start, p.q_len, p.ctx_len) for p in prefills))))
+            meta.decode_block_tables = _padded(dec_tables)
+            meta.decode_mask = build_decode_mask(dec_lens, meta.decode_block_tables.shape[1] * bs, self.sliding_window)
+        if chunk_meta:
+            meta.chunks = ChunkRows(_padded(chunk_tables), *(torch.tensor(v) for v in zip(*chunk_meta)))
         logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long))
         return StepResult(logits, sampled, num_rows)
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [S, max_blocks] int64 tensor, rows padded with block 0 (never read: lengths bound it)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
