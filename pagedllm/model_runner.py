@@ -41,9 +41,11 @@ class ModelRunner:
         self.argmax = ops.argmax_rows if ops is not None else None
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
         self.op = ops.paged_attention if ops is not None and op_pool else None
-        # a bf16 pool's prefills go to the op's chunk kernel (bf16 dot products) instead of SDPA (whoever
-        # turns self.op off turns this off too)
-        self.chunk_op = self.op is not None and not self.caches[0].lossy and kv_dtype == torch.bfloat16
+        # a bf16 pool's prefills go to the op's chunk kernel (bf16 dot products) instead of SDPA where its tiles
+        # fit (head dims of whole 8s, at most 48 query heads a KV head); whoever turns self.op off turns this off
+        layer = model.layers[0]
+        self.chunk_op = (self.op is not None and not self.caches[0].lossy and kv_dtype == torch.bfloat16
+                         and cfg.head_dim % 8 == 0 and layer.num_heads // layer.num_kv_heads <= 48)
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if self.chunk_op else PAGED_CHUNK_MAX
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False,
