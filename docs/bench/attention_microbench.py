@@ -1,6 +1,7 @@
 """The paged-attention op alone: one layer's decode / chunk rows over a context, K/V in 30 separate
 pools (30 layers: the context streams from memory, as in a step), best of 10, against a float64
-reference. Run: .venv/bin/python docs/bench/attention_microbench.py [path/to/pagedllm_ops.so]
+reference (of the rounded math for a bf16 pool; one row over 256+ keys splits them across the threads and
+rounds p against each range's max, so its error there is ~1e-4). Run: .venv/bin/python docs/bench/attention_microbench.py [path/to/pagedllm_ops.so]
 (a .so path runs that build instead, e.g. an older one kept for a side-by-side comparison; SHAPES="32/8/128"
 for one geometry)."""
 
@@ -41,9 +42,11 @@ def case(ctx: int, dtype: torch.dtype, heads: int, kv_heads: int, d: int, rows: 
 
     run()
     k, v = (p[table[0]].flatten(0, 1)[:ctx].double().repeat_interleave(heads // kv_heads, 1) for p in pools[-1])
-    s = torch.einsum("thd,khd->htk", q.double(), k) * d ** -0.5
+    bf16 = dtype == torch.bfloat16  # the op's math over a bf16 pool: q and p rounded to bf16
+    s = torch.einsum("thd,khd->htk", q.bfloat16().double() if bf16 else q.double(), k) * d ** -0.5
     causal = torch.arange(ctx)[None, :] <= (ctx - rows + torch.arange(rows))[:, None]
-    ref = torch.einsum("htk,khd->thd", s.masked_fill(~causal, float("-inf")).softmax(-1), v)
+    e = (s.masked_fill(~causal, float("-inf")) - s.masked_fill(~causal, float("-inf")).amax(-1, keepdim=True)).exp()
+    ref = torch.einsum("htk,khd->thd", e.bfloat16().double() if bf16 else e, v) / e.sum(-1).transpose(0, 1)[..., None]
     err = (out.double() - ref).abs().max().item()
     best = 1e9
     for _ in range(10):
