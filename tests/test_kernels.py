@@ -304,7 +304,7 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     mid-sequence chunks over scattered blocks: against the rounded-q-and-p reference, and against the
     decode op on the very same rows (the paths a prompt can take must agree)."""
     g = torch.Generator().manual_seed(heads * 1000 + d + bs + window)
-    chunks = [(5, 5), (37, 61), (1, 1), (50, 50), (17, 100)]  # (q_len, ctx_len)
+    chunks = [(5, 5), (37, 61), (1, 1), (50, 50), (17, 600)]  # (q_len, ctx_len)
     tables, nb = [], 0
     perm = torch.randperm(sum(-(-c // bs) for _, c in chunks) + 2, generator=g).tolist()
     for _, c in chunks:
@@ -337,6 +337,13 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     assert_attention_close(out, ref, torch.bfloat16)
     assert_attention_close(by_rows, ref, torch.bfloat16)
     assert_attention_close(out, by_rows, torch.bfloat16)
+    # one row alone: the decode op splits its keys across the threads (flash-decoding), in two phases so that
+    # its p are still rounded against the row's max
+    last = slice(int(q_start[-1]) + int(q_len[-1]) - 1, int(q_start[-1]) + int(q_len[-1]))
+    alone = torch.zeros_like(q[last])
+    ops.paged_attention(alone, q[last], k_pool, v_pool, bt[-1:], torch.tensor([0]), torch.tensor([0]),
+                        torch.tensor([1]), ctx[-1:], d ** -0.5, window, None, None, None)
+    assert_attention_close(alone, ref[last], torch.bfloat16)
 
 
 def test_attention_without_avx512(tmp_path) -> None:  # noqa: ANN001

@@ -21,8 +21,8 @@
 //
 // A bf16 pool's math: q and p rounded to bf16 (round-to-nearest-even), p from the exact max of the row's
 // keys, the sum of unrounded p: the chunk kernel's (attention_chunks.cpp), so a prompt attended there or
-// here row by row differs in the order of fp32 sums only. (The split of a row's keys below merges partial
-// maxima, so its p are rounded relative to those.)
+// here row by row differs in the order of fp32 sums only; a row whose keys are split across threads (below)
+// goes in two phases so that its p are rounded against the row's max too.
 //
 // ISA: GCC vector extensions of 16 floats, so one code path compiles to AVX-512 where -march=native
 // has it and to pairs of AVX2 (or SSE) registers elsewhere; bf16 is widened by a 16-bit shift, fp8
@@ -133,7 +133,14 @@ struct Item {  // one query row's keys [lo, hi) and where its per-head (max, sum
   const int64_t* table;
   int64_t lo, hi;
   float *mx, *sum, *acc;  // [H], [H], [H, D]
+  // A split row over a bf16 pool goes in two phases, so that its p are rounded against the row's max:
+  // 1 the scores (into `scores`, [H, ld], kept) and their max (mx); 2 from those scores and the row's max
+  // (mx, given), the softmax and V. 0: all at once.
+  int phase = 0;
+  float* scores = nullptr;
 };
+
+inline int64_t score_ld(int64_t n) { return (n + 15) / 16 * 16 + 16; }  // + one store of slack
 
 struct Scratch {
   std::vector<float> scores, tile, qpad, acc;
@@ -142,6 +149,7 @@ struct Scratch {
 // Pass 2 of an item: each head's n scores (rows of sc, ld apart, ld >= 16 ceil(n / 16) + 16) -> the softmax
 // numerators from the exact max, summed unrounded, stored rounded to bf16 if `round`; the slack after them 0
 // (a key pair may read one past the last key)
+// (phase 1 stops after the max; phase 2 takes it.mx as the max)
 void softmax_rows(const Item& it, float* sc, int64_t H, int64_t n, int64_t ld, bool round) {
   const int64_t nv = (n + 15) / 16;
   for (int64_t h = 0; h < H; ++h) {
@@ -152,7 +160,11 @@ void softmax_rows(const Item& it, float* sc, int64_t H, int64_t n, int64_t ld, b
       const v16f x = load16(sg + 16 * c);
       mv = x > mv ? x : mv;
     }
-    const float m = vec::hmax(mv);
+    if (it.phase == 1) {
+      it.mx[h] = vec::hmax(mv);
+      continue;
+    }
+    const float m = it.phase == 2 ? it.mx[h] : vec::hmax(mv);
     v16f total = v16f{};
     for (int64_t c = 0; c < nv; ++c) {
       const v16f e = vec::exp16(load16(sg + 16 * c) - m);
@@ -172,14 +184,14 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
                  Scratch& s) {
   constexpr int W = 16 * ND;            // padded head dim
   constexpr int KT = ND <= 4 ? 16 : 8;  // keys per tile: KT products + GB * ND q vectors in registers
-  const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = (n + 15) / 16 * 16 + 16;  // + one store of slack
-  s.scores.resize(H * ld);
+  const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = score_ld(n);
+  if (!it.scores) s.scores.resize(H * ld);
   if (TAIL)  // the widened rows' padding must read as zeros; whole chunks are always written
     s.tile.assign(KT * KVH * W, 0.f);
   else
     s.tile.resize(KT * KVH * W);
   s.acc.assign(H * W, 0.f);
-  float* sc = s.scores.data();
+  float* sc = it.scores ? it.scores : s.scores.data();
   float* acc_mem = s.acc.data();
   const float* q = it.q;
   const bool rq = K.dtype == 1;  // bf16 pool: q and p rounded to bf16 as in the chunk kernel's dot products
@@ -205,7 +217,7 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
     }
   };
   // pass 1: scores, KT keys of GB heads at a time, summed across lanes by the shuffle tree
-  sweep(K, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+  if (it.phase != 2) sweep(K, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     v16f qr[GB][ND];
     for (int g = 0; g < GB; ++g)
       for (int c = 0; c < ND; ++c) qr[g][c] = load16(q + (h0 + g) * W + 16 * c) * scale;
@@ -218,6 +230,7 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
               }));
   });
   softmax_rows(it, sc, H, n, ld, rq);
+  if (it.phase == 1) return;
   // pass 3: V sums, GB x ND accumulators in registers for a tile's keys
   sweep(V, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     v16f acc[GB][ND];
@@ -248,10 +261,10 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
                       Scratch& s) {
   constexpr int KT = NC <= 2 ? 16 : 8;
   constexpr int ND = 2 * NC;  // 16-float accumulators per head
-  const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = (n + 15) / 16 * 16 + 16;
-  s.scores.resize(H * ld);
+  const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = score_ld(n);
+  if (!it.scores) s.scores.resize(H * ld);
   s.acc.assign(H * D, 0.f);
-  float* sc = s.scores.data();
+  float* sc = it.scores ? it.scores : s.scores.data();
   float* acc_mem = s.acc.data();  // [H, D] in the unpack order
   s.qpad.resize(H * D / 2 + 16);
   uint32_t* qb = reinterpret_cast<uint32_t*>(s.qpad.data());  // q as bf16 pairs [H, D / 2]
@@ -277,7 +290,7 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
         for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
     }
   };
-  sweep(kp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+  if (it.phase != 2) sweep(kp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     __m512bh qr[GB][NC];
     for (int g = 0; g < GB; ++g)
       for (int c = 0; c < NC; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
@@ -290,6 +303,7 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
               }) * scale);
   });
   softmax_rows(it, sc, H, n, ld, true);
+  if (it.phase == 1) return;
   sweep(vp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     __m512 acc[GB][ND];
     for (int g = 0; g < GB; ++g)
@@ -444,19 +458,47 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     keys(r, &lo, &hi);
     nsplit[r] = std::max<int64_t>(1, std::min<int64_t>(per_row, (hi - lo) / 128));
   }
-  at::parallel_for(0, T * per_row, 1, [&](int64_t begin, int64_t end) {
-    Scratch s;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / per_row, j = item % per_row;
-      if (j >= nsplit[r]) continue;
-      int64_t lo, hi;
-      const int64_t* table = keys(r, &lo, &hi);
-      const int64_t n = hi - lo;
-      Item it{qp + r * q.stride(0), table, lo + n * j / nsplit[r], lo + n * (j + 1) / nsplit[r],
-              part_m.data() + item * H, part_l.data() + item * H, part_acc.data() + item * H * D};
-      fn(it, H, KVH, K, V, BS, fscale, s);
-    }
-  });
+  // over a bf16 pool in two phases, the row's max between them (Item::phase): p rounded as unsplit
+  const bool two_phase = dtype == 1;
+  std::vector<int64_t> score_off(T * per_row + 1, 0);
+  auto item_of = [&](int64_t item) {
+    const int64_t r = item / per_row, j = item % per_row;
+    int64_t lo, hi;
+    const int64_t* table = keys(r, &lo, &hi);
+    const int64_t n = hi - lo;
+    return Item{qp + r * q.stride(0), table, lo + n * j / nsplit[r], lo + n * (j + 1) / nsplit[r],
+                part_m.data() + item * H, part_l.data() + item * H, part_acc.data() + item * H * D};
+  };
+  for (int64_t item = 0; item < T * per_row; ++item) {
+    const Item it = item_of(item);
+    const bool used = two_phase && item % per_row < nsplit[item / per_row];
+    score_off[item + 1] = score_off[item] + (used ? H * score_ld(it.hi - it.lo) : 0);
+  }
+  std::vector<float> scores(score_off.back());
+  auto run = [&](int phase) {
+    at::parallel_for(0, T * per_row, 1, [&](int64_t begin, int64_t end) {
+      Scratch s;
+      for (int64_t item = begin; item < end; ++item) {
+        if (item % per_row >= nsplit[item / per_row]) continue;
+        Item it = item_of(item);
+        it.phase = phase;
+        if (phase) it.scores = scores.data() + score_off[item];
+        fn(it, H, KVH, K, V, BS, fscale, s);
+      }
+    });
+  };
+  if (!two_phase) {
+    run(0);
+  } else {
+    run(1);
+    for (int64_t r = 0; r < T; ++r)  // every range of a row gets the row's max
+      for (int64_t h = 0; h < H; ++h) {
+        float m = -std::numeric_limits<float>::max();
+        for (int64_t j = 0; j < nsplit[r]; ++j) m = std::max(m, part_m[(r * per_row + j) * H + h]);
+        for (int64_t j = 0; j < nsplit[r]; ++j) part_m[(r * per_row + j) * H + h] = m;
+      }
+    run(2);
+  }
   for (int64_t r = 0; r < T; ++r) {
     float* orow = op + r * H * D;
     for (int64_t h = 0; h < H; ++h) {
