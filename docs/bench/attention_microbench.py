@@ -1,7 +1,6 @@
 """The paged-attention op alone: one layer's decode / chunk rows over a context, K/V in 30 separate
 pools (30 layers: the context streams from memory, as in a step), best of 10, against a float64
-reference (of the rounded math for a bf16 pool; one row over 256+ keys splits them across the threads and
-rounds p against each range's max, so its error there is ~1e-4). Run: .venv/bin/python docs/bench/attention_microbench.py [path/to/pagedllm_ops.so]
+reference (of the rounded math for a bf16 pool). Run: .venv/bin/python docs/bench/attention_microbench.py [path/to/pagedllm_ops.so]
 (a .so path runs that build instead, e.g. an older one kept for a side-by-side comparison; SHAPES="32/8/128"
 for one geometry)."""
 
