@@ -177,6 +177,21 @@ void softmax_rows(const Item& it, float* sc, int64_t H, int64_t n, int64_t ld, b
   }
 }
 
+// The tiles of KT keys of an item in slot order: row(j, slot) for each key j of the tile, then group(t0, cnt,
+// kh, h0) for each KV head kh and each of its groups of GB query heads h0 ..
+template <int KT, int GB, class Row, class Group>
+inline void sweep_tiles(const Item& it, int64_t KVH, int64_t G, int64_t BS, Row&& row, Group&& group) {
+  for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
+    const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
+    for (int j = 0; j < cnt; ++j) {
+      const int64_t t = t0 + j;
+      row(j, it.table[t / BS] * BS + t % BS);
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh)
+      for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
+  }
+}
+
 // All heads of one item: key tiles of KT in order (K in pass 1, V in pass 3, each slot row read once and
 // sequentially); within a tile, per KV head its G query heads GB at a time
 template <int ND, int GB, bool TAIL>
@@ -203,18 +218,11 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
     q = s.qpad.data();
   }
   const float* rows[KT];
-  // every tile of KT keys in slot order, its rows of pool P widened once, then group(t0, cnt, kh, h0) for
-  // each KV head kh and each of its groups of GB query heads h0 ..
+  // the item's tiles (sweep_tiles), each slot row of pool P widened once
   auto sweep = [&](const Pool& P, auto&& group) {
-    for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
-      const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
-      for (int j = 0; j < cnt; ++j) {
-        const int64_t t = t0 + j;
-        rows[j] = P.row<ND, TAIL>(it.table[t / BS] * BS + t % BS, s.tile.data() + j * KVH * W);
-      }
-      for (int64_t kh = 0; kh < KVH; ++kh)
-        for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
-    }
+    sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) {
+      rows[j] = P.row<ND, TAIL>(slot, s.tile.data() + j * KVH * W);
+    }, group);
   };
   // pass 1: scores, KT keys of GB heads at a time, summed across lanes by the shuffle tree
   if (it.phase != 2) sweep(K, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
@@ -280,15 +288,7 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
   const uint16_t* rows[KT + 1];
   static const uint16_t zeros[256] = {};
   auto sweep = [&](const uint16_t* pool, auto&& group) {
-    for (int64_t t0 = it.lo; t0 < it.hi; t0 += KT) {
-      const int cnt = static_cast<int>(std::min<int64_t>(KT, it.hi - t0));
-      for (int j = 0; j < cnt; ++j) {
-        const int64_t t = t0 + j;
-        rows[j] = pool + (it.table[t / BS] * BS + t % BS) * K.row_stride;
-      }
-      for (int64_t kh = 0; kh < KVH; ++kh)
-        for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
-    }
+    sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) { rows[j] = pool + slot * K.row_stride; }, group);
   };
   if (it.phase != 2) sweep(kp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     __m512bh qr[GB][NC];
