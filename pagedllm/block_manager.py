@@ -3,10 +3,12 @@
 No torch here: this module only does bookkeeping of block ids. It answers "can't" with None
 and leaves the decision (wait, preempt) to the scheduler.
 
-* Free queue: an insertion-ordered dict of free block ids. The head is taken first, so it is
-  also the eviction order of cached blocks (LRU). Freed blocks that hold a cached prefix go to
-  the tail (evicted last); freed blocks without a hash go to the head (reused first, since
-  nobody can hit them).
+* Free queue: the free block ids in order. The head is taken first, so it is also the eviction
+  order of cached blocks (LRU). Freed blocks that hold a cached prefix go to the tail (evicted
+  last); freed blocks without a hash go to the head (reused first, since nobody can hit them).
+  Blocks never used yet are a counter in the middle of that order, and their KVBlock records are
+  made on first use: a pool of millions of blocks (a small model, a large budget) costs nothing
+  until it fills.
 * Prefix cache: a full block is keyed by sha256(parent key, its token ids, cache salt). A hit
   is confirmed by comparing token ids. A request's blocks are freed last-block-first, so its
   longest prefixes are evicted before the shared beginnings.
@@ -21,7 +23,7 @@ import hashlib
 import itertools
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -41,6 +43,79 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None)
     return h.digest()
 
 
+class FreeQueue:
+    """Free block ids in eviction order: those pushed to the front, then the never-used ids in id order, then
+    those pushed to the back. A never-used id is only taken from the head, so that run is a counter."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._front: OrderedDict[int, None] = OrderedDict()  # first key = the head
+        self._next, self._end = 0, num_blocks  # never used: ids [_next, _end)
+        self._back: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._front) + self._end - self._next + len(self._back)
+
+    def __contains__(self, bid: int) -> bool:
+        return bid in self._front or bid in self._back or self._next <= bid < self._end
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._front
+        yield from range(self._next, self._end)
+        yield from self._back
+
+    def used(self) -> Iterator[int]:
+        """The free ids that were used before (the only ones that can hold a hash)."""
+        yield from self._front
+        yield from self._back
+
+    def pop_head(self) -> int:
+        if self._front:
+            return self._front.popitem(last=False)[0]
+        if self._next < self._end:
+            self._next += 1
+            return self._next - 1
+        return self._back.popitem(last=False)[0]
+
+    def push_front(self, bid: int) -> None:
+        self._front[bid] = None
+        self._front.move_to_end(bid, last=False)
+
+    def push_back(self, bid: int) -> None:
+        self._back[bid] = None
+
+    def remove(self, bid: int) -> None:  # a used id (a cached block being hit again)
+        if bid in self._front:
+            del self._front[bid]
+        else:
+            del self._back[bid]
+
+
+class Blocks:
+    """The KVBlock of every id, made on first access."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._made: dict[int, KVBlock] = {}
+        self._n = num_blocks
+
+    def __getitem__(self, bid: int) -> KVBlock:
+        blk = self._made.get(bid)
+        if blk is None:
+            if not 0 <= bid < self._n:
+                raise IndexError(f"block {bid} is outside the pool of {self._n}")
+            blk = self._made[bid] = KVBlock(bid)
+        return blk
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return (self[i] for i in range(self._n))
+
+    def made(self) -> Iterator[KVBlock]:
+        """The blocks used at least once (the others are free, with no hash)."""
+        return iter(self._made.values())
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -48,8 +123,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks = Blocks(num_blocks)
+        self.free_queue = FreeQueue(num_blocks)
         self.cached: dict[bytes, int] = {}
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}  # chained keys of each request's full blocks
@@ -66,7 +141,7 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
+        return sum(1 for b in self.free_queue.used() if self.blocks[b].block_hash is not None)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -103,7 +178,7 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def _take_free(self) -> int:
-        bid, _ = self.free_queue.popitem(last=False)
+        bid = self.free_queue.pop_head()
         blk = self.blocks[bid]
         if blk.block_hash is not None:  # evict its cached prefix
             if self.cached.get(blk.block_hash) == bid:
@@ -116,7 +191,7 @@ class BlockManager:
     def _touch(self, bid: int) -> None:
         blk = self.blocks[bid]
         if blk.ref_cnt == 0:
-            del self.free_queue[bid]
+            self.free_queue.remove(bid)
         blk.ref_cnt += 1
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed: int,
@@ -197,9 +272,10 @@ class BlockManager:
             blk = self.blocks[bid]
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                self.free_queue[bid] = None
                 if blk.block_hash is None:
-                    self.free_queue.move_to_end(bid, last=False)
+                    self.free_queue.push_front(bid)
+                else:
+                    self.free_queue.push_back(bid)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Keep only the blocks holding the first num_tokens slots (speculative decoding: rejected
@@ -219,8 +295,7 @@ class BlockManager:
                     del self.cached[blk.block_hash]
                 blk.block_hash = None
                 blk.token_ids = None
-                self.free_queue[bid] = None
-                self.free_queue.move_to_end(bid, last=False)
+                self.free_queue.push_front(bid)
         hashes = self._hashes.get(request_id)
         if hashes is not None and len(hashes) > num_tokens // self.block_size:
             del hashes[num_tokens // self.block_size:]
@@ -228,7 +303,7 @@ class BlockManager:
             self._num_registered[request_id] = num_tokens // self.block_size
 
     def reset_prefix_cache(self) -> None:
-        for bid in self.free_queue:
+        for bid in self.free_queue.used():
             blk = self.blocks[bid]
             blk.block_hash = None
             blk.token_ids = None
@@ -246,10 +321,15 @@ class BlockManager:
         takes ~0.3 ms."""
         import numpy as np
 
-        bs, blocks = self.block_size, self.blocks
-        ref = np.array([b.ref_cnt for b in blocks], dtype=np.int64)
+        bs, blocks, n = self.block_size, self.blocks, self.num_blocks
+        ref = np.zeros(n, dtype=np.int64)
+        hashes: list[str | None] = [None] * n
+        for b in blocks.made():
+            ref[b.block_id] = b.ref_cnt
+            if b.block_hash is not None:
+                hashes[b.block_id] = b.block_hash[:4].hex()
         state = np.where(ref > 1, 3, np.where(ref > 0, 2, 0))
-        cached = [bid for bid in self.free_queue if blocks[bid].block_hash is not None]
+        cached = [bid for bid in self.free_queue.used() if blocks[bid].block_hash is not None]
         state[cached] = 1
         tables = [self.tables.get(rid) or [] for rid in order]
         lens = np.array(list(map(len, tables)), dtype=np.int64)
@@ -269,7 +349,7 @@ class BlockManager:
         return {"num_blocks": len(blocks), "block_size": bs, "state": state.tolist(), "ref": ref.tolist(),
                 "owner": owner.tolist(), "index": index.tolist(), "fill": fill.tolist(),
                 "shared_blocks": bids[sh][by_block].tolist(), "shared_holders": req[sh][by_block].tolist(),
-                "hash": [b.block_hash[:4].hex() if b.block_hash is not None else None for b in blocks],
+                "hash": hashes,
                 "filled_slots": int(fill.sum()), "cached_free": len(cached)}
 
     def filled_slots(self, num_computed: dict[str, int]) -> int:

@@ -3,11 +3,11 @@ stateful property test of its invariants."""
 
 from __future__ import annotations
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.block_manager import BlockManager
+from pagedllm.block_manager import BlockManager, FreeQueue
 
 
 def test_allocate_on_demand_and_free_order():
@@ -24,6 +24,41 @@ def test_allocate_on_demand_and_free_order():
     assert bm.num_free_blocks == 8
     # hash-less blocks go to the head, so they are reused first (last block first)
     assert list(bm.free_queue)[:3] == [0, 1, 2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "front", "back", "remove"]), st.integers(0, 9)), max_size=60))
+def test_free_queue_is_the_ordered_dict_it_replaces(ops):  # noqa: ANN001
+    """The never-used run is a counter, not entries: the order, length and membership must be those of one
+    insertion-ordered dict of all ids, popped at the head, pushed to either end, removed from anywhere."""
+    from collections import OrderedDict
+
+    ref, q, out = OrderedDict.fromkeys(range(10)), FreeQueue(10), set()
+    for op, bid in ops:
+        if op == "take" and ref:
+            taken = ref.popitem(last=False)[0]
+            assert q.pop_head() == taken
+            out.add(taken)
+        elif op in ("front", "back") and bid in out:  # only a taken id comes back
+            out.discard(bid)
+            ref[bid] = None
+            ref.move_to_end(bid, last=op == "back")
+            (q.push_front if op == "front" else q.push_back)(bid)
+        elif op == "remove" and bid in ref and bid in set(q.used()):  # a cached block hit again
+            del ref[bid]
+            q.remove(bid)
+            out.add(bid)
+        assert list(q) == list(ref) and len(q) == len(ref)
+        assert all((i in q) == (i in ref) for i in range(10))
+
+
+def test_a_pool_of_millions_of_blocks_costs_nothing_until_used():
+    bm = BlockManager(num_blocks=50_000_000, block_size=16)
+    assert bm.allocate_slots("a", list(range(40)), 0, 40) == []
+    assert bm.table("a") == [0, 1, 2] and bm.num_free_blocks == 50_000_000 - 3
+    assert len(list(bm.blocks.made())) == 3
+    bm.free("a")
+    assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 50_000_000
 
 
 def test_cannot_allocate_returns_none_and_changes_nothing():
