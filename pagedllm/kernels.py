@@ -131,8 +131,20 @@ _SOURCES = [_CSRC / "ops.cpp", _CSRC / "attention.cpp", _CSRC / "attention_chunk
             _CSRC / "linear_ggml.cpp", _CSRC / "linear_x16.cpp", _CSRC / "mask_rows.cpp"]
 
 
-def ops_build_dir() -> Path:
-    return build_dir(build_key([*_SOURCES, *sorted(_CSRC.glob("*.h"))], _FLAGS, cpu_isa_flags()))
+def ops_build_dir(extra_flags: tuple[str, ...] = ()) -> Path:
+    return build_dir(build_key([*_SOURCES, *sorted(_CSRC.glob("*.h"))], [*_FLAGS, *extra_flags], cpu_isa_flags()))
+
+
+def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
+    """Every kernel compiled with -march=native plus `extra_flags`, or its cached build; raises if the build
+    fails. Extra flags mask this CPU's instruction sets, so tests run what other CPUs compile (e.g.
+    -mno-avx512f -mno-avxvnni: an AVX2-only Zen 3); each set of flags is its own module and build."""
+    name = "pagedllm_ops" + ("_" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
+    mod = load_extension(name, _SOURCES, [*_FLAGS, *extra_flags], ops_build_dir(extra_flags))
+    return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
+               mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(),
+               mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
+               mod.mask_rows_)
 
 
 @cache  # one build per process: the compiled library never changes once loaded
@@ -140,10 +152,7 @@ def load_ops() -> Ops | None:
     if os.environ.get("PAGEDLLM_NO_CPP"):
         return None
     try:
-        mod = load_extension("pagedllm_ops", _SOURCES, _FLAGS, ops_build_dir())
-        return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
-                   mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(), mod.linear_ggml,
-                   mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml, mod.mask_rows_)
+        return build_ops()
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None

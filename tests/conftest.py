@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,6 +40,18 @@ def tiny_models(tmp_path_factory):  # noqa: ANN001, ANN201
         path = tmp_path_factory.mktemp(arch)
         out[arch] = (str(path), make_tiny_model(arch, path))
     return out
+
+
+@pytest.fixture(scope="session")
+def ops_avx2():  # noqa: ANN201
+    """Every kernel as a CPU without AVX-512 (Zen 3: AVX2, FMA) compiles it, built here by masking this CPU's
+    AVX-512 and AVX-VNNI: the whole library that CPU loads, not a file of it. Built once per session (2-3
+    minutes cold on two cores) and cached by source, flags and CPU like the real build."""
+    from pagedllm.kernels import build_ops
+
+    if os.environ.get("PAGEDLLM_NO_CPP"):
+        pytest.skip("C++ kernels disabled")
+    return build_ops(("-mno-avx512f", "-mno-avxvnni"))
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

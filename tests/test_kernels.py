@@ -195,30 +195,16 @@ def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int
     torch.testing.assert_close(split, one, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("flags", [[], ["-mno-avx512f"]])
-def test_mask_rows_equals_xgrammars_apply(tmp_path, flags):  # noqa: ANN001
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_mask_rows_equals_xgrammars_apply(request, build):  # noqa: ANN001
     """The grammar-mask op (structured outputs) against xgrammar's own CPU apply, on random bitmasks,
     vocabularies that are and are not multiples of 32, and an all-allowed row; also built without
     AVX-512 (the per-bit path other CPUs compile)."""
-    from pathlib import Path
-
     import xgrammar as xgr
 
-    import pagedllm
-
-    if flags:  # a quick build of just this file, with this CPU's AVX-512 masked
-        from torch.utils.cpp_extension import load
-
-        csrc = Path(pagedllm.__file__).parent / "csrc"
-        stub = tmp_path / "stub.cpp"
-        stub.write_text('#include "mask_rows.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mask_rows_", &mask_rows_); }\n')
-        mod = load(name="pagedllm_mask_noavx512", sources=[str(csrc / "mask_rows.cpp"), str(stub)],
-                   extra_cflags=["-O2", "-march=native", *flags], extra_include_paths=[str(csrc)],
-                   build_directory=str(tmp_path), verbose=False)
-        mask_rows_ = mod.mask_rows_
+    if build == "avx2":
+        mask_rows_ = request.getfixturevalue("ops_avx2").mask_rows_
     else:
-        from pagedllm.kernels import load_ops
-
         ops = load_ops()
         if ops is None:
             pytest.skip("C++ kernels unavailable")
@@ -346,23 +332,9 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     assert_attention_close(alone, ref[last], torch.bfloat16)
 
 
-def test_attention_without_avx512(tmp_path) -> None:  # noqa: ANN001
+def test_attention_without_avx512(ops_avx2) -> None:  # noqa: ANN001
     """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions
     split into AVX2 halves; bf16::tile's generic loops)."""
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-
-    import pagedllm
-
-    csrc = Path(pagedllm.__file__).parent / "csrc"
-    stub = tmp_path / "stub.cpp"
-    stub.write_text('#include "attention.h"\n'
-                    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attention_qkv", &attention_qkv); }\n')
-    mod = load(name="pagedllm_attention_avx2",
-               sources=[str(csrc / "attention.cpp"), str(csrc / "attention_chunks.cpp"), str(stub)],
-               extra_cflags=["-O2", "-march=native", "-ffast-math", "-mno-avx512f"], extra_include_paths=[str(csrc)],
-               build_directory=str(tmp_path), verbose=False)
     for pool in (torch.float32, torch.bfloat16):
-        _attention_qkv_case(mod.attention_qkv, 9, 3, 64, pool)
-        _attention_qkv_case(mod.attention_qkv, 8, 2, 24, pool)
+        _attention_qkv_case(ops_avx2.attention_qkv, 9, 3, 64, pool)
+        _attention_qkv_case(ops_avx2.attention_qkv, 8, 2, 24, pool)

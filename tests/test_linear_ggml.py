@@ -151,26 +151,12 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
         assert torch.equal(y, plain)
 
 
-@pytest.mark.parametrize("isa_flags, isa", [(["-mno-avx512f", "-mno-avxvnni"], "avx2")])
-def test_fallback_isa_paths(tmp_path, isa_flags: list[str], isa: str) -> None:  # noqa: ANN001
+def test_fallback_isa_paths(ops_avx2) -> None:  # noqa: ANN001
     """What a CPU without AVX-512 compiles (Zen 3: AVX2), built here by masking this CPU's flags: the
     file layout only (nothing repacked), the same references as above. (The scalar path, for CPUs
     without AVX2, builds with -mno-avx2 too; measured once, not run every time: 1 minute.)"""
-    from pathlib import Path
-
-    from torch.utils.cpp_extension import load
-
-    import pagedllm
-
-    csrc = Path(pagedllm.__file__).parent / "csrc"
-    stub = tmp_path / "stub.cpp"
-    stub.write_text('#include "linear_ggml.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
-                    '  m.def("linear_ggml", &linear_ggml); m.def("dequantize_ggml", &dequantize_ggml);\n'
-                    '  m.def("isa", &linear_ggml_isa); m.def("repacks", &ggml_repacks);\n}\n')
-    mod = load(name=f"pagedllm_ggml_{isa}", sources=[str(csrc / "linear_ggml.cpp"), str(csrc / "linear_x16.cpp"), str(stub)],
-               extra_cflags=["-O2", "-march=native", *isa_flags], extra_include_paths=[str(csrc)],
-               build_directory=str(tmp_path), verbose=False)
-    assert mod.isa() == isa and not mod.repacks(int(T.Q4_0))
+    mod = ops_avx2
+    assert mod.linear_ggml_isa == "avx2" and not mod.ggml_repacks(int(T.Q4_0))
     k = 512
     for t in (T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K):
         raw = random_blocks(t, 40, k, seed=int(t))
