@@ -90,6 +90,20 @@ def test_roofline(llama_dir, tmp_path):  # noqa: ANN001
     assert s["achieved_over_floor"] == pytest.approx(s["achieved_step_s"] / s["floor_s"])
 
 
+def test_roofline_of_a_workload_counts_the_work_it_did(llama_dir, tmp_path):  # noqa: ANN001
+    from pagedllm.workloads import mixed
+
+    out = tmp_path / "w.json"
+    run_bench("roofline", "--model", llama_dir, "--workload", "mixed", "--num-requests", "5", "--json", str(out))
+    s = json.loads(out.read_text())["summary"]
+    work = mixed(5, 320, 0)
+    # every prompt token once, then each output token but the last goes back through the model
+    assert s["tokens_computed"] == sum(len(w.prompt_token_ids) + w.max_tokens - 1 for w in work)
+    assert s["compute_floor_s"] == pytest.approx(s["total_TFLOP"] * 1e12 / (s["matmul_GFLOPs"] * 1e9))
+    assert s["step_floor_s"] >= s["compute_floor_s"] > 0
+    assert s["achieved_over_compute_floor"] == pytest.approx(s["achieved_s"] / s["compute_floor_s"])
+
+
 def test_serve_bench(chat_model_dir, tmp_path):  # noqa: ANN001
     srv = Server(chat_model_dir, "--num-kv-blocks", "64")
     try:

@@ -1,10 +1,15 @@
-"""How close is a decode step to what this machine can physically do?
+"""How close is the engine to what this machine can physically do?
 
 Measures, with torch on the machine at hand, the memory bandwidth (streaming a large fp32
 tensor) and the matmul rate (large GEMM in the engine's weight dtype, fp32 or bf16), then times
-real decode steps at a batch size.
+real decode steps at a batch size, or (--workload) a whole workload of `bench throughput`.
 The floor of a step is max(bytes it must read / bandwidth, FLOPs / matmul rate); bytes = the
-weights once per step plus the KV of every sequence's context.
+weights once per step plus the KV of every scheduled sequence's context; FLOPs = 2 x the weights
+every scheduled token goes through (lm_head only for the rows that sample) plus attention's
+4 x heads x head_dim x keys per query row and layer (causal: a prefill row at position p has p + 1
+keys; sliding windows not discounted). A workload's compute floor is the sum of its steps' FLOPs
+at the matmul rate, whatever the batching; its step floor is the sum of the steps' floors, for the
+steps the scheduler chose.
 """
 
 from __future__ import annotations
@@ -18,13 +23,16 @@ import torch
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .common import make_report, now, write_json
+from .common import load_workload, make_report, now, write_json
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="running sequences in the measured decode steps")
     p.add_argument("--context-len", type=int, default=256, help="prompt length of each sequence")
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--workload", default=None, help="mixed | shared-prefix | a .jsonl file: the whole workload of "
+                   "bench throughput against its floor, instead of decode steps (--num-requests of it)")
+    p.add_argument("--num-requests", type=int, default=64)
 
 
 def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
@@ -68,14 +76,15 @@ def measure_matmul(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.floa
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    if args.workload:
+        return workload_main(args, engine_kwargs)
     engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False}))
     model = engine.runner.model
     # counted from the module shapes: with the C++ ops the linears hold packed copies, not .weight
     wformat = model.weight_format
     step_weight_bytes = model.step_weight_bytes()
-    wdtype = torch.float32 if wformat == "f32" else torch.bfloat16  # quantized formats compute on bf16 tiles
     matmul_params = model.matmul_params()
-    bw, flops = measure_bandwidth(), measure_matmul(dtype=wdtype)
+    bw, flops = measure_bandwidth(), measure_matmul(dtype=_matmul_dtype(wformat))
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     for i in range(args.batch):
@@ -101,11 +110,83 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
                "bytes_floor_s": bytes_floor, "flops_floor_s": flop_floor, "floor_s": floor,
                "achieved_step_s": step, "achieved_over_floor": step / floor,
                "decode_tokens_per_s": args.batch / step}
-    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s {str(wdtype).removeprefix('torch.')} matmul")
+    _print_machine(bw, flops, wformat)
     print(f"decode step, batch {args.batch}, context ~{ctx}:")
     print(f"  memory floor   {bytes_floor * 1000:8.2f} ms  ({(step_weight_bytes + kv_bytes) / 2**20:.0f} MiB weights+KV)")
     print(f"  compute floor  {flop_floor * 1000:8.2f} ms")
     print(f"  achieved       {step * 1000:8.2f} ms  = {step / floor:.2f}x the floor, {args.batch / step:.0f} tokens/s")
     report = make_report("roofline", args, engine_kwargs, summary=summary, step_times_s=times)
+    write_json(args.json, report)
+    return report
+
+
+def _matmul_dtype(wformat: str) -> torch.dtype:
+    return torch.float32 if wformat == "f32" else torch.bfloat16  # quantized formats compute on bf16 tiles
+
+
+def _print_machine(bw: float, flops: float, wformat: str) -> None:
+    dtype = str(_matmul_dtype(wformat)).removeprefix("torch.")
+    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {flops / 1e9:.1f} GFLOP/s {dtype} matmul")
+
+
+def workload_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    """The workload once as warm-up (a few of its requests), then whole, every step's work recorded on the way
+    into the model runner: its wall time against the sum of the steps' FLOPs and floors."""
+    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    model, cfg = engine.runner.model, engine.model_config
+    lm_params = cfg.hidden_size * cfg.vocab_size
+    body_params = model.matmul_params() - lm_params
+    attn_per_key = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    weight_bytes, kv_per_token = model.step_weight_bytes(), engine.kv_bytes_per_token
+    bw, flops = measure_bandwidth(), measure_matmul(dtype=_matmul_dtype(model.weight_format))
+    work = load_workload(args.workload, args.num_requests, cfg.vocab_size, args.seed, engine.tokenizer)
+    steps: list[tuple[int, int, int, int]] = []  # per step: tokens, sampled rows, attended keys, KV tokens read
+    execute = engine.runner.execute
+
+    def recorded(sched, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        tokens = sampled = keys = kv = 0
+        for s in sched.scheduled:
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            tokens += n
+            sampled += s.completes
+            keys += n * start + n * (n + 1) // 2  # positions start .. start + n - 1 see p + 1 keys
+            kv += start + n
+        steps.append((tokens, sampled, keys, kv))
+        return execute(sched, *a, **k)
+
+    def run(items: list, tag: str) -> float:
+        for i, w in enumerate(items):
+            engine.add_request(f"{tag}{i}", {"prompt_token_ids": w.prompt_token_ids},
+                               SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True))
+        t = now()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return now() - t
+
+    run(load_workload(args.workload, 4, cfg.vocab_size, args.seed + 1, engine.tokenizer), "warm")
+    engine.block_manager.reset_prefix_cache()
+    engine.runner.execute = recorded
+    try:
+        wall = run(work, "r")
+    finally:
+        engine.runner.execute = execute
+    step_flops = [2 * body_params * t + 2 * lm_params * n + attn_per_key * k for t, n, k, _ in steps]
+    step_bytes = [weight_bytes + kv_per_token * kv for *_, kv in steps]
+    compute_floor = sum(step_flops) / flops
+    step_floor = sum(max(f / flops, b / bw) for f, b in zip(step_flops, step_bytes))
+    summary = {"weight_format": model.weight_format, "workload": args.workload, "num_requests": len(work),
+               "bandwidth_GBps": bw / 1e9, "matmul_GFLOPs": flops / 1e9, "steps": len(steps),
+               "tokens_computed": sum(t for t, *_ in steps), "total_TFLOP": sum(step_flops) / 1e12,
+               "compute_floor_s": compute_floor, "step_floor_s": step_floor, "achieved_s": wall,
+               "achieved_over_compute_floor": wall / compute_floor, "achieved_over_step_floor": wall / step_floor,
+               "achieved_GFLOPs": sum(step_flops) / wall / 1e9}
+    _print_machine(bw, flops, model.weight_format)
+    print(f"workload {args.workload}, {len(work)} requests: {len(steps)} steps, {summary['tokens_computed']} tokens "
+          f"through the model, {summary['total_TFLOP']:.2f} TFLOP")
+    print(f"  compute floor  {compute_floor:8.2f} s  (all FLOPs at the matmul rate)")
+    print(f"  step floor     {step_floor:8.2f} s  (each step's max of bytes and FLOPs, these steps)")
+    print(f"  achieved       {wall:8.2f} s  = {wall / compute_floor:.2f}x the compute floor, "
+          f"{wall / step_floor:.2f}x the step floor, {summary['achieved_GFLOPs']:.0f} GFLOP/s")
+    report = make_report("roofline", args, engine_kwargs, summary=summary)
     write_json(args.json, report)
     return report
