@@ -32,6 +32,18 @@ def test_linear_bf16_is_a_bf16_matmul_with_fp32_sums(ops, rows, out_features, in
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("in_features", [7, 16, 33, 576])
+def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):  # noqa: ANN001
+    """Through an identity weight y is the activations' bf16 exactly: round to nearest even on ties, values
+    at bf16's extremes; vector body and scalar tail alike."""
+    g = torch.Generator().manual_seed(in_features)
+    x = torch.randn(5, in_features, generator=g) * torch.tensor([1e-30, 1.0, 3e4, 1e38, 1.0])[:, None]
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-126 * (1 + 2**-8)])  # halfway: even wins
+    x[1, :min(4, in_features)] = ties[:min(4, in_features)]
+    y = ops.linear_bf16(x, ops.pack_bf16(torch.eye(in_features)), None, in_features)
+    assert torch.equal(y, x.bfloat16().float())
+
+
 def test_dtype_auto_follows_the_cpu(ops):  # noqa: ANN001
     picked, why = auto_dtype()
     assert (picked == torch.bfloat16) == (ops.linear_bf16_isa == "avx512_bf16") and why

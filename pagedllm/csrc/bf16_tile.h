@@ -13,6 +13,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "vec16.h"
+
 namespace bf16 {
 
 inline constexpr int64_t NR = 48;  // output columns per panel
@@ -113,14 +115,25 @@ inline void tile_out(const uint32_t* xp, int64_t K2, const uint16_t* panel, cons
     for (int64_t c = 0; c < cols; ++c) y[i * O + c] = tmp[i * NR + c] + (bias ? bias[c] : 0.f);
 }
 
-// x [M, K] fp32 -> rows of ceil(K / 2) bf16 pairs (round to nearest even; an odd K's tail zero)
+// x [M, K] fp32 -> rows of ceil(K / 2) bf16 pairs: a row's pair k is (x[2k], x[2k + 1]), so in memory the
+// row is just x's row in bf16 (round to nearest even, as torch does; a NaN stays NaN), an odd K's tail zero.
+// 16 floats a vector: the scalar loop this replaced cost more than the matmul's own panels at K = 1536.
 inline std::vector<uint32_t> pairs(const float* xf, int64_t M, int64_t K) {
   const int64_t K2 = (K + 1) / 2;
-  std::vector<uint32_t> xb(M * K2, 0);
-  at::parallel_for(0, M, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m)
-      for (int64_t k = 0; k < K; ++k)
-        xb[m * K2 + k / 2] |= static_cast<uint32_t>(to_bf16(xf[m * K + k])) << (16 * (k % 2));
+  std::vector<uint32_t> xb(M * K2);
+  at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) {
+      const float* src = xf + m * K;
+      uint16_t* dst = reinterpret_cast<uint16_t*>(xb.data() + m * K2);
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const vec::v16u u = vec::bits(vec::load16(src + k));
+        const vec::v16u r = (u & 0x7fffffffu) > 0x7f800000u ? u | 0x400000u : u + 0x7fffu + ((u >> 16) & 1u);
+        const vec::v16h h = __builtin_convertvector(r >> 16, vec::v16h);
+        std::memcpy(dst + k, &h, sizeof(h));
+      }
+      for (; k < K; ++k) dst[k] = to_bf16(src[k]);
+    }
   });
   return xb;
 }
