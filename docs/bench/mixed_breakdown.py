@@ -1,6 +1,7 @@
 """Where the mixed (or shared-prefix) workload's time goes: the engine's calls wrapped with timers (linears by
 row count, SDPA over prompts where the pool is fp32, the whole attention call), the default model, bf16 dense
-parts. Run: .venv/bin/python docs/bench/mixed_breakdown.py [shared-prefix]   (the wrappers add ~1 us a call)"""
+parts. Run: .venv/bin/python docs/bench/mixed_breakdown.py [mixed|shared-prefix] [none]   (none: the GGUF
+dequantized to bf16 panels, issue 12's setting; the wrappers add ~1 us a call)"""
 
 import collections
 import sys
@@ -33,11 +34,12 @@ def rows(_w, x) -> str:  # noqa: ANN001
 
 
 weight_formats.GGMLWeight.matmul = timed(weight_formats.GGMLWeight.matmul, key=rows)
+weight_formats.DensePanels.matmul = timed(weight_formats.DensePanels.matmul, key=rows)
 attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
 llama.attention_from_qkv = timed(llama.attention_from_qkv, "attention calls (all paths)")
 model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
-engine = LLMEngine(EngineConfig(dtype="bfloat16"))
-workload = shared_prefix if sys.argv[1:] == ["shared-prefix"] else mixed
+engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization="none" if "none" in sys.argv[1:] else None))
+workload = shared_prefix if "shared-prefix" in sys.argv[1:] else mixed
 for i, w in enumerate(workload(64, engine.model_config.vocab_size, 0)):
     engine.add_request(f"r{i}", {"prompt_token_ids": w.prompt_token_ids},
                        SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True))
