@@ -5,7 +5,9 @@ PAGEDLLM_NO_CPP=1, the pure-torch paths are used.
 The build directory is keyed by everything the binary depends on: the source, the flags, torch
 and Python versions, and this CPU's instruction-set flags (the build uses -march=native, so a
 cache copied to, or a home directory shared with, another kind of CPU must never load it). Two
-checkouts or venvs with the same key share one build; an flock around the build serializes them,
+checkouts or venvs with the same key share one build: it compiles copies of the sources kept in the
+build directory, so its commands name the same paths from every checkout and ninja finds its work
+done (compiling a checkout's own paths rebuilt it for each clone). An flock around the build serializes them,
 and because a killed builder's flock dies with it, a `lock` file that torch left behind is known
 to be stale and is removed instead of waited on forever.
 """
@@ -122,8 +124,20 @@ def load_extension(name: str, sources: list[Path], flags: list[str], where: Path
             stale.unlink()
         if not any(where.glob(f"{name}*.so")):
             log.warning("building C++ kernels (once, about a minute) in %s", where)
-        return load(name=name, sources=[str(s) for s in sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                    build_directory=str(where), verbose=False)
+        return load(name=name, sources=[str(s) for s in _staged(sources, where)], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+
+
+def _staged(sources: list[Path], where: Path) -> list[Path]:
+    """The sources and the headers beside them, copied into where/src. A file already there with the same bytes
+    is left alone: ninja goes by modification times, so rewriting it would rebuild."""
+    staged = where / "src"
+    staged.mkdir(exist_ok=True)
+    for f in {*sources, *sources[0].parent.glob("*.h")}:
+        data, dst = f.read_bytes(), staged / f.name
+        if not dst.exists() or dst.read_bytes() != data:
+            dst.write_bytes(data)
+    return [staged / s.name for s in sources]
 
 
 _CSRC = Path(__file__).parent / "csrc"
