@@ -143,6 +143,31 @@ def test_build_key_follows_source_flags_and_cpu(tmp_path):  # noqa: ANN001
     assert k != build_key([src], ["-O3"], "avx2 fma")
 
 
+def test_builds_compile_staged_copies_so_every_checkout_shares_one(tmp_path):  # noqa: ANN001
+    """Two checkouts with one key must name the same source paths (ninja redoes a build whose commands
+    changed) and must not touch a staged file with the same bytes (ninja goes by modification times)."""
+    import os
+
+    from pagedllm.kernels import _staged
+
+    where = tmp_path / "build"
+    where.mkdir()
+    firsts = []
+    for checkout in ("a", "b"):
+        src = tmp_path / checkout
+        src.mkdir()
+        (src / "k.cpp").write_text('#include "k.h"\n')
+        (src / "k.h").write_text("int f();\n")
+        firsts.append(_staged([src / "k.cpp"], where))
+        if checkout == "a":
+            os.utime(where / "src" / "k.h", (1, 1))
+    assert firsts[0] == firsts[1] == [where / "src" / "k.cpp"]
+    assert (where / "src" / "k.h").stat().st_mtime == 1  # same bytes: left alone
+    (tmp_path / "b" / "k.h").write_text("int g();\n")
+    _staged([tmp_path / "b" / "k.cpp"], where)
+    assert (where / "src" / "k.h").read_text() == "int g();\n"
+
+
 def test_stale_build_lock_is_recovered_not_waited_on(ops):  # noqa: ANN001
     """torch's `lock` file left by a killed build used to hang every later start forever."""
     import subprocess
