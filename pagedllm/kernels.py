@@ -5,9 +5,10 @@ PAGEDLLM_NO_CPP=1, the pure-torch paths are used.
 The build directory is keyed by everything the binary depends on: the source, the flags, torch
 and Python versions, and this CPU's instruction-set flags (the build uses -march=native, so a
 cache copied to, or a home directory shared with, another kind of CPU must never load it). Two
-checkouts or venvs with the same key share one build: it compiles copies of the sources kept in the
+checkouts with the same key and venv share one build: it compiles copies of the sources kept in the
 build directory, so its commands name the same paths from every checkout and ninja finds its work
-done (compiling a checkout's own paths rebuilt it for each clone). An flock around the build serializes them,
+done (compiling a checkout's own paths rebuilt it for each one). Another venv's torch headers are
+other paths, so a fresh venv still rebuilds once, in place. An flock around the build serializes them,
 and because a killed builder's flock dies with it, a `lock` file that torch left behind is known
 to be stale and is removed instead of waited on forever.
 """
