@@ -2,15 +2,14 @@
 argmax), built on first use with torch's own extension tooling. If the build is not possible, or
 PAGEDLLM_NO_CPP=1, the pure-torch paths are used.
 
-The build directory is keyed by everything the binary depends on: the source, the flags, torch
-and Python versions, and this CPU's instruction-set flags (the build uses -march=native, so a
-cache copied to, or a home directory shared with, another kind of CPU must never load it). Two
-checkouts with the same key and venv share one build: it compiles copies of the sources kept in the
-build directory, so its commands name the same paths from every checkout and ninja finds its work
-done (compiling a checkout's own paths rebuilt it for each one). Another venv's torch headers are
-other paths, so a fresh venv still rebuilds once, in place. An flock around the build serializes them,
-and because a killed builder's flock dies with it, a `lock` file that torch left behind is known
-to be stale and is removed instead of waited on forever.
+The build directory is keyed by everything the binary depends on: the source, the flags, torch's
+version and location, Python's version, and this CPU's instruction-set flags (the build uses
+-march=native, so a cache copied to, or a home directory shared with, another kind of CPU must never
+load it). Checkouts on one venv share a build: it compiles copies of the sources kept in the build
+directory, so its commands name the same paths from every checkout and ninja finds its work done
+(compiling a checkout's own paths rebuilt it for each one); a fresh venv builds its own. An flock
+around the build serializes them, and because a killed builder's flock dies with it, a `lock` file
+that torch left behind is known to be stale and is removed instead of waited on forever.
 """
 
 from __future__ import annotations
@@ -100,7 +99,9 @@ def build_key(sources: list[Path], flags: list[str], isa: str) -> str:
     for src in sources:
         h.update(src.read_bytes())
     h.update(" ".join(flags).encode())
-    h.update(f"{torch.__version__} {sys.version_info[:2]} {isa}".encode())
+    # torch's location too: the build commands name its headers, so another venv's build is another build
+    # (sharing one directory, two venvs would rebuild it in turn)
+    h.update(f"{torch.__version__} {Path(torch.__file__).parent} {sys.version_info[:2]} {isa}".encode())
     return h.hexdigest()[:16]
 
 
