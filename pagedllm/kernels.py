@@ -154,7 +154,7 @@ def ops_build_dir(extra_flags: tuple[str, ...] = ()) -> Path:
 def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
     """Every kernel compiled with -march=native plus `extra_flags`, or its cached build; raises if the build
     fails. Extra flags mask this CPU's instruction sets, so tests run what other CPUs compile (e.g.
-    -mno-avx512f -mno-avxvnni: an AVX2-only Zen 3); each set of flags is its own module and build."""
+    -mno-avx512f -mno-avxvnni -mno-amx-tile: an AVX2-only Zen 3); each set of flags is its own module and build."""
     name = "pagedllm_ops" + ("_" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
     mod = load_extension(name, _SOURCES, [*_FLAGS, *extra_flags], ops_build_dir(extra_flags))
     return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
@@ -180,6 +180,8 @@ def auto_dtype() -> tuple[torch.dtype, str]:
     ops = load_ops()
     if ops is None:
         return torch.float32, "no C++ kernels"
+    if ops.linear_bf16_isa == "amx_bf16":
+        return torch.bfloat16, "this CPU has AMX-BF16 tiles (and AVX512-BF16 dot products for small batches)"
     if ops.linear_bf16_isa == "avx512_bf16":
         return torch.bfloat16, "this CPU has AVX512-BF16 dot products"
     return torch.float32, f"no native bf16 dot products on this CPU (bf16 kernel path: {ops.linear_bf16_isa})"

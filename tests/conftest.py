@@ -51,7 +51,7 @@ def ops_avx2():  # noqa: ANN201
 
     if os.environ.get("PAGEDLLM_NO_CPP"):
         pytest.skip("C++ kernels disabled")
-    return build_ops(("-mno-avx512f", "-mno-avxvnni"))
+    return build_ops(("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile"))
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

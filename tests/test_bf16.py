@@ -17,7 +17,7 @@ def ops():  # noqa: ANN201
     return ops
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 33, 64, 130])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (70, 33), (100, 576), (9, 2)])
 def test_linear_bf16_is_a_bf16_matmul_with_fp32_sums(ops, rows, out_features, in_features):  # noqa: ANN001
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -46,7 +46,7 @@ def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):  # noqa
 
 def test_dtype_auto_follows_the_cpu(ops):  # noqa: ANN001
     picked, why = auto_dtype()
-    assert (picked == torch.bfloat16) == (ops.linear_bf16_isa == "avx512_bf16") and why
+    assert (picked == torch.bfloat16) == (ops.linear_bf16_isa in ("amx_bf16", "avx512_bf16")) and why
 
 
 def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):  # noqa: ANN001
@@ -89,7 +89,7 @@ def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):  # noqa: ANN001
                         '  m.def("pack_bf16", &pack_bf16); m.def("linear_bf16", &linear_bf16);\n'
                         '  m.def("isa", &linear_bf16_isa);\n}\n')
         mod = load(name=f"pagedllm_bf16_{isa}", sources=[str(csrc / "linear_bf16.cpp"), str(stub)],
-                   extra_cflags=["-O2", "-march=native", "-mno-avx512bf16"], extra_include_paths=[str(csrc)],
+                   extra_cflags=["-O2", "-march=native", "-mno-avx512bf16", "-mno-amx-tile"], extra_include_paths=[str(csrc)],
                    build_directory=str(tmp_path), verbose=False)
         pack_bf16, linear_bf16, built_isa = mod.pack_bf16, mod.linear_bf16, mod.isa()
     assert built_isa == isa

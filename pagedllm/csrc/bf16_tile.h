@@ -2,22 +2,39 @@
 // linear_ggml.cpp (quantized weights dequantized a panel at a time for prefill-sized batches).
 // Panel layout [K2, 48, 2] bf16: for each pair of k the two weights of a column side by side, the
 // operand layout of vdpbf16ps. R (<= 8) rows x 48 columns, 3R fp32 accumulators.
-// ISA paths (compile-time; -march=native, build keyed by the CPU's flags):
+// rows_out() is the entry point: AMX-BF16 tiles (bf16_amx.h) where built and granted by the kernel, from
+// kAmxRowsMin rows of x with K a multiple of 32; else the micro-kernel, whose
+// ISA paths (compile-time; -march=native, build keyed by the CPU's flags) are:
 //   AVX512-BF16: vdpbf16ps;  AVX512F: bf16 pairs widened to fp32 in registers, two FMAs;
 //   otherwise: scalar widening (the compiler vectorizes what it can, e.g. AVX2).
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include <ATen/Parallel.h>
 
+#include "bf16_amx.h"
+#include "row_tiles.h"
 #include "vec16.h"
 
 namespace bf16 {
 
 inline constexpr int64_t NR = 48;  // output columns per panel
+// rows of x from which the AMX tiles run (fewer: the micro-kernel below)
+inline constexpr int64_t kAmxRowsMin = 2;  // at 1 row the two tie (docs/bench/amx_microbench.py)
+
+// AMX built in and granted by the kernel (bf16_amx.h); false where it is not built
+inline bool amx_usable() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx::usable();
+#else
+  return false;
+#endif
+}
 
 inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -106,25 +123,41 @@ inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* pa
 }
 #endif
 
-template <int R>
-inline void tile_out(const uint32_t* xp, int64_t K2, const uint16_t* panel, const float* bias, float* y, int64_t O,
-                     int64_t cols) {
-  float tmp[R * NR];
-  tile<R>(xp, K2, K2, panel, tmp);
-  for (int i = 0; i < R; ++i)
-    for (int64_t c = 0; c < cols; ++c) y[i * O + c] = tmp[i * NR + c] + (bias ? bias[c] : 0.f);
-}
-
 // x [M, K] fp32 -> rows of ceil(K / 2) bf16 pairs: a row's pair k is (x[2k], x[2k + 1]), so in memory the
 // row is just x's row in bf16 (round to nearest even, as torch does; a NaN stays NaN), an odd K's tail zero.
+// Rows 64 bytes aligned and, where the AMX tiles will read them (amx), zero rows after the last to a
+// multiple of 16: a tile always loads 16.
+// n elements of T on a 64-byte boundary (tile loads split across cache lines otherwise), uninitialized
+template <class T>
+using Aligned = std::unique_ptr<T, decltype(&std::free)>;
+template <class T>
+inline Aligned<T> aligned(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64;
+  return Aligned<T>(static_cast<T*>(std::aligned_alloc(64, bytes)), &std::free);
+}
+
+struct Pairs {
+  int64_t rows = 0, K2 = 0;
+  bool amx = false;
+  Aligned<uint32_t> buf{nullptr, &std::free};
+  const uint32_t* data() const { return buf.get(); }
+};
+
 // 16 floats a vector: the scalar loop this replaced cost more than the matmul's own panels at K = 1536.
-inline std::vector<uint32_t> pairs(const float* xf, int64_t M, int64_t K) {
-  const int64_t K2 = (K + 1) / 2;
-  std::vector<uint32_t> xb(M * K2);
+inline Pairs pairs(const float* xf, int64_t M, int64_t K) {
+  Pairs xb;
+  xb.rows = M;
+  xb.K2 = (K + 1) / 2;
+  const int64_t K2 = xb.K2;
+  xb.amx = amx::kBuilt && K2 % 16 == 0 && M >= kAmxRowsMin && amx_usable();
+  const int64_t padded = xb.amx ? (M + 15) / 16 * 16 : M;
+  xb.buf = aligned<uint32_t>(padded * K2);
+  if (padded > M) std::memset(xb.buf.get() + M * K2, 0, (padded - M) * K2 * 4);
+  uint32_t* out = xb.buf.get();
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m) {
       const float* src = xf + m * K;
-      uint16_t* dst = reinterpret_cast<uint16_t*>(xb.data() + m * K2);
+      uint16_t* dst = reinterpret_cast<uint16_t*>(out + m * K2);
       int64_t k = 0;
       for (; k + 16 <= K; k += 16) {
         const vec::v16u u = vec::bits(vec::load16(src + k));
@@ -133,9 +166,57 @@ inline std::vector<uint32_t> pairs(const float* xf, int64_t M, int64_t K) {
         std::memcpy(dst + k, &h, sizeof(h));
       }
       for (; k < K; ++k) dst[k] = to_bf16(src[k]);
+      if (K % 2) dst[K] = 0;
     }
   });
   return xb;
+}
+
+// y[0 : n, 0 : 48] += bias[0 : 48], rows O floats apart
+inline void add_bias(float* y, int64_t n, int64_t O, const float* bias) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < NR; ++c) y[i * O + c] += bias[c];
+}
+
+// y[m, 0 : cols] (+ bias) = x pairs row m . panel for m in [m_lo, m_hi); y is the panel's first column
+// of row 0, rows O floats apart. AMX tiles of 16 or 32 rows where the pairs were made for them (a tail
+// computes the zero rows too and keeps only the real ones), else the micro-kernel above, 8 rows a tile.
+inline void rows_out(const Pairs& xb, int64_t m_lo, int64_t m_hi, const uint16_t* panel, const float* bias,
+                     float* y, int64_t O, int64_t cols) {
+  const int64_t K2 = xb.K2;
+  auto put = [&](const float* tmp, int64_t m, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < cols; ++c) y[(m + i) * O + c] = tmp[i * NR + c] + (bias ? bias[c] : 0.f);
+  };
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (xb.amx) {
+    // full tiles of real rows and a whole panel of columns are stored straight into y (the copy through
+    // a buffer cost as much as the products at K = 576); the rest through tmp
+    alignas(64) float tmp[32 * NR];
+    amx::configure();
+    int64_t m = m_lo;
+    for (; m + 16 < m_hi; m += 32) {
+      if (m + 32 <= m_hi && cols == NR) {
+        amx::rows<2>(xb.data() + m * K2, K2, K2, panel, y + m * O, O);
+        if (bias) add_bias(y + m * O, 32, O, bias);
+      } else {
+        amx::rows<2>(xb.data() + m * K2, K2, K2, panel, tmp, NR);
+        put(tmp, m, std::min<int64_t>(32, m_hi - m));
+      }
+    }
+    if (m < m_hi) {
+      amx::rows<1>(xb.data() + m * K2, K2, K2, panel, tmp, NR);
+      put(tmp, m, m_hi - m);
+    }
+    return;
+  }
+#endif
+  for_row_tiles(m_lo, m_hi, [&](int64_t m, auto R) {
+    constexpr int kR = decltype(R)::value;
+    float tmp[kR * NR];
+    tile<kR>(xb.data() + m * K2, K2, K2, panel, tmp);
+    put(tmp, m, kR);
+  });
 }
 
 }  // namespace bf16

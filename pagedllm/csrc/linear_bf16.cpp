@@ -6,19 +6,18 @@
 // which is the operand layout of vdpbf16ps. One k pair of a panel = 192 contiguous bytes = three
 // 512-bit vectors. x [M, K] fp32 is rounded to bf16 once per call (round to nearest even, as torch
 // does); y [M, O] fp32; bias fp32 padded to P * 48; accumulation in fp32.
-// Micro-kernel and its ISA paths (AVX512-BF16, AVX512F widening, generic): bf16_tile.h.
+// Micro-kernel and its ISA paths (AMX-BF16 tiles: bf16_amx.h; AVX512-BF16, AVX512F widening, generic):
+// bf16_tile.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
 
 #include "bf16_tile.h"
 #include "linear_bf16.h"
-#include "row_tiles.h"
 
 using bf16::NR;
-using bf16::tile_out;
 
-const char* linear_bf16_isa() { return bf16::kIsa; }
+const char* linear_bf16_isa() { return bf16::amx_usable() ? "amx_bf16" : bf16::kIsa; }
 
 torch::Tensor pack_bf16(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_bf16: w must be [O, K]");
@@ -43,7 +42,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   const int64_t M = x.size(0), K = x.size(1), P = w.size(0), K2 = w.size(1);
   TORCH_CHECK(K2 == (K + 1) / 2 && O <= P * NR, "linear_bf16: x [", M, ", ", K, "] does not match the packed weight");
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const std::vector<uint32_t> xb = bf16::pairs(x.data_ptr<float>(), M, K);
+  const bf16::Pairs xb = bf16::pairs(x.data_ptr<float>(), M, K);
   auto y = torch::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
@@ -57,9 +56,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
       const uint16_t* panel = wp + p * K2 * NR * 2;
       const float* pb = b ? b + p * NR : nullptr;
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      for_row_tiles(m_lo, m_hi, [&](int64_t m, auto R) {
-        tile_out<decltype(R)::value>(xb.data() + m * K2, K2, panel, pb, yp + m * O + c0, O, cols);
-      });
+      bf16::rows_out(xb, m_lo, m_hi, panel, pb, yp + c0, O, cols);
     }
   });
   return y;

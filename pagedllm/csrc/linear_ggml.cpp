@@ -12,7 +12,8 @@
 // rows at a time into a thread-local buffer, then multiplied with all of x rounded to bf16, so the
 // quantized weights cost their dequantization once per call, not once per row of x: 48-row panels
 // for the panel micro-kernel of bf16_tile.h, made with AVX512-BF16 by dequantizing 16 rows and
-// transposing them in registers (else a scalar loop), multiplied by its vdpbf16ps / widening paths.
+// transposing them in registers (else a scalar loop), multiplied on AMX tiles (bf16_amx.h) where the
+// CPU has them, else by bf16_tile.h's vdpbf16ps / widening paths.
 // ISA paths of the integer dot (compile-time; -march=native, build keyed by the CPU's flags):
 //   AVX512-VNNI + BW: vpdpbusd on 512-bit vectors, two chunks at a time (rows of an even chunk count);
 //   AVX512-VNNI (+VL) or AVX-VNNI: vpdpbusd on 256-bit vectors (u8 x s8 -> int32, no saturation);
@@ -298,25 +299,24 @@ void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
 // y[:, 0 : rows] (yc, bc already offset to the part's columns) = x @ W^T for prefill-sized M, W made a
 // 48-row bf16 panel at a time by make_panel(p, panel, row_scratch)
 template <class MakePanel>
-void panel_sweep(const std::vector<uint32_t>* xb, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc,
+void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc,
                  int64_t O, MakePanel&& make_panel) {
   using bf16::NR;
   const int64_t K2 = (K + 1) / 2, P = (rows + NR - 1) / NR, panel_elems = K2 * NR * 2;
   auto tiles = [&](int64_t p, const uint16_t* panel, int64_t m_lo, int64_t m_hi) {
     const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
     const float* pb = bc ? bc + c0 : nullptr;
-    for_row_tiles(m_lo, m_hi, [&](int64_t m, auto R) {
-      bf16::tile_out<decltype(R)::value>(xb->data() + m * K2, K2, panel, pb, yc + m * O + c0, O, cols);
-    });
+    bf16::rows_out(*xb, m_lo, m_hi, panel, pb, yc + c0, O, cols);
   };
   constexpr int64_t MB = 128;  // rows of x per pass, as in linear_bf16
   if (M <= MB) {  // one pass over x: each panel made in a thread-local buffer and used at once
     at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<uint16_t> panel(panel_elems, 0);
+      const bf16::Aligned<uint16_t> panel = bf16::aligned<uint16_t>(panel_elems);
+      std::fill_n(panel.get(), panel_elems, uint16_t{0});
       std::vector<float> row(K);
       for (int64_t p = lo; p < hi; ++p) {
-        make_panel(p, panel.data(), row);
-        tiles(p, panel.data(), 0, M);
+        make_panel(p, panel.get(), row);
+        tiles(p, panel.get(), 0, M);
       }
     });
     return;
@@ -326,7 +326,7 @@ void panel_sweep(const std::vector<uint32_t>* xb, int64_t M, int64_t K, int64_t 
   const int64_t G = std::max<int64_t>(1, (8 << 20) / (panel_elems * 2)), nmb = (M + MB - 1) / MB;
   // not zero-filled: make_panel writes every element (K is a multiple of 32), and zeroing 8 MiB a call
   // cost as much as the dequantization
-  std::unique_ptr<uint16_t[]> group(new uint16_t[std::min(G, P) * panel_elems]);
+  const bf16::Aligned<uint16_t> group = bf16::aligned<uint16_t>(std::min(G, P) * panel_elems);
   for (int64_t p0 = 0; p0 < P; p0 += G) {
     const int64_t np = std::min(G, P - p0);
     at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
@@ -345,7 +345,7 @@ void panel_sweep(const std::vector<uint32_t>* xb, int64_t M, int64_t K, int64_t 
 // y[:, col0 : col0 + rows] for one part in a plain (file) layout: F is its format; x16 parts are in
 // linear_x16.cpp, and both share the panel sweep below
 template <class F>
-void linear_part(const QAct* a, const std::vector<uint32_t>* xb, int64_t M, int64_t K, const torch::Tensor& w,
+void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, const torch::Tensor& w,
                  const float* bias, float* y, int64_t O, int64_t col0) {
   const int64_t rows = w.size(0), row_bytes = w.size(1);
   TORCH_CHECK(K % F::QK == 0 && row_bytes == K / F::QK * F::BYTES,
@@ -447,7 +447,7 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   float* yp = y.data_ptr<float>();
   // activations prepared once for all parts: int8 per 32 for the dot, bf16 pairs for the panel path
   QAct a{};
-  std::vector<uint32_t> xb;
+  bf16::Pairs xb;
   const bool dot = M < kDotRowsMax;
   bool any_plain = false, any_x16 = false;
   for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
