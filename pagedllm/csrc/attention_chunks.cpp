@@ -17,8 +17,9 @@
 // This is the decode op's math for a bf16 pool (q and p rounded alike, p from the exact max, the sum of p
 // unrounded, the same exp16), so a prompt attended here, chunked, or decoded row by row differs in the order
 // of fp32 sums only. Items go largest first to the threads from one counter (causal rows are uneven).
-// ISA: bf16::tile (vdpbf16ps with AVX512-BF16, widened FMAs with AVX512F, loops the compiler vectorizes
-// elsewhere); the softmax on vec16.h's 16-float vectors.
+// ISA: both products on AMX-BF16 tiles where the CPU has them (bf16_amx.h: S^T 32 keys a call, O^T 32 dims;
+// head_dim a multiple of 32), else bf16::tile (vdpbf16ps with AVX512-BF16, widened FMAs with AVX512F, loops
+// the compiler vectorizes elsewhere); the softmax on vec16.h's 16-float vectors.
 #include "attention.h"
 #include "bf16_tile.h"
 #include "vec16.h"
@@ -39,23 +40,42 @@ using vec::v16u;
 constexpr int64_t NL = bf16::NR;  // lanes: (query row, head) pairs of an item
 constexpr int NV = NL / 16;       // their vectors
 constexpr int KT = 8;             // keys (S^T) or head dims (O^T) per tile call
+constexpr int64_t kPad = 32;      // zero K rows after ctx, and zero V pairs after a row: what a tile over-reads
 
 struct Chunk {
   const int64_t* table;
   int64_t q_start, q_len, ctx;
-  const uint16_t* k;  // [ctx + KT, D] gathered, zero rows after ctx
-  const uint32_t* v;  // [D, (ctx + 1) / 2] key pairs
+  const uint16_t* k;  // [ctx + kPad, D] gathered, zero rows after ctx
+  const uint32_t* v;  // [D, ldv] key pairs: (ctx + 1) / 2 of them, then kPad / 2 zero pairs
+  int64_t ldv;
 };
 
 struct Item {
   int64_t chunk, kh, r0, cost;
 };
 
-// Scratch of one worker: q panel [D / 2, 48], S^T (then P) [keys + 2 KT, 48], O^T [D, 48]
+// Scratch of one worker: q panel [D / 2, 48], S^T (then P) [keys + 2 kPad, 48], O^T [D, 48]
 struct Work {
   uint32_t* qpanel;
   float *sbuf, *ot;
 };
+
+// out [n, 48] (48 floats apart) = n rows of x pairs (ldx apart) . panel [K2, 48, 2]. On AMX tiles (where
+// built, granted and K2 is whole tiles) in 16- and 32-row tiles: rows past n are read (the callers pad them
+// with zeros) and written (out has room for them); else bf16::tile, KT rows a call.
+void product(const uint32_t* x, int64_t n, int64_t ldx, int64_t K2, const uint16_t* panel, float* out, bool amx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx) {
+    amx::configure();
+    int64_t j = 0;
+    for (; j + 16 < n; j += 32) amx::rows<2>(x + j * ldx, ldx, K2, panel, out + j * NL, NL);
+    if (j < n) amx::rows<1>(x + j * ldx, ldx, K2, panel, out + j * NL, NL);
+    return;
+  }
+#endif
+  (void)amx;
+  for (int64_t j = 0; j < n; j += KT) bf16::tile<KT>(x + j * ldx, ldx, K2, panel, out + j * NL);
+}
 
 // One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
 void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
@@ -87,7 +107,8 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   float* S = w.sbuf;  // [keys, 48], row j = key klo + j
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(qpanel);
   const uint32_t* kp = reinterpret_cast<const uint32_t*>(c.k);
-  for (int64_t j0 = 0; j0 < nk; j0 += KT) bf16::tile<KT>(kp + (klo + j0) * D2, D2, D2, qp, S + j0 * NL);
+  const bool amx = bf16::amx_usable() && D2 % 16 == 0;
+  product(kp + klo * D2, nk, D2, D2, qp, S, amx);
   // scale, mask, the lanes' max
   v16i hv[NV], lv[NV];
   v16f mx[NV];
@@ -123,11 +144,12 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
       const v16u pair = (vec::bf16_bits(p0) >> 16) | vec::bf16_bits(p1);
       std::memcpy(P + i * NL + 16 * v, &pair, sizeof(pair));
     }
-  // O^T [D, 48] = V^T . P over the item's key pairs
-  const int64_t ldv = (c.ctx + 1) / 2;
+  // O^T [D, 48] = V^T . P over the item's key pairs (on AMX, whole tiles of 16 pairs: P's extra pairs zero)
+  const int64_t npt = amx ? (np + 15) / 16 * 16 : np;
+  std::fill(P + np * NL, P + npt * NL, 0u);
   float* ot = w.ot;
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P);
-  for (int64_t d0 = 0; d0 < D; d0 += KT) bf16::tile<KT>(c.v + d0 * ldv + klo / 2, ldv, np, pp, ot + d0 * NL);
+  product(c.v + klo / 2, D, c.ldv, npt, pp, ot, amx);
   alignas(64) float inv[NL];
   for (int v = 0; v < NV; ++v) vec::store16(inv + 16 * v, 1.f / (sum[v] > 0.f ? sum[v] : v16f{} + 1.f));
   for (int64_t l = 0; l < lanes; ++l) {
@@ -161,8 +183,8 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   for (int64_t i = 0; i < n * KVH; ++i) {
     const int64_t ctx = cl[i / KVH];
     TORCH_CHECK(ql[i / KVH] >= 1 && ql[i / KVH] <= ctx && ctx <= MAXB * BS, "attend_chunks: bad chunk lengths");
-    koff[i + 1] = koff[i] + (ctx + KT) * D;
-    voff[i + 1] = voff[i] + D * ((ctx + 1) / 2);
+    koff[i + 1] = koff[i] + (ctx + kPad) * D;
+    voff[i + 1] = voff[i] + D * ((ctx + 1) / 2 + kPad / 2);
   }
   const int64_t rows_per = NL / G;
   std::vector<Item> items;
@@ -177,7 +199,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   // one buffer (the caller's, grown here and kept for the step's other layers: no page faults per call)
-  const int64_t work_floats = (D / 2) * NL + (max_keys + 2 * KT) * NL + D * NL;
+  const int64_t work_floats = (D / 2) * NL + (max_keys + 2 * kPad) * NL + D * NL;
   const int64_t need = (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64 + workers * work_floats * 4;
   TORCH_CHECK(scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous(), "attend_chunks: scratch must be uint8");
   if (scratch.numel() < need) scratch.resize_({need});
@@ -189,7 +211,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = (ctx + 1) / 2;
+      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], pairs = (ctx + 1) / 2, ldv = pairs + kPad / 2;
       const int64_t* table = bt + s * MAXB;
       uint16_t* kd = kbuf + koff[i];
       uint32_t* vd = vbuf + voff[i];
@@ -197,14 +219,15 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
         return pool + (table[t / BS] * BS + t % BS) * row + kh * D;
       };
       for (int64_t t = 0; t < ctx; ++t) std::memcpy(kd + t * D, slot_row(kpool, t), D * sizeof(uint16_t));
-      std::fill(kd + ctx * D, kd + (ctx + KT) * D, uint16_t{0});
-      for (int64_t p = 0; p < ldv; ++p) {
+      std::fill(kd + ctx * D, kd + (ctx + kPad) * D, uint16_t{0});
+      for (int64_t d = 0; d < D; ++d) std::fill(vd + d * ldv + pairs, vd + (d + 1) * ldv, 0u);
+      for (int64_t p = 0; p < pairs; ++p) {
         const uint16_t* v0 = slot_row(vpool, 2 * p);
         const uint16_t* v1 = 2 * p + 1 < ctx ? slot_row(vpool, 2 * p + 1) : nullptr;
         for (int64_t d = 0; d < D; ++d)
           vd[d * ldv + p] = static_cast<uint32_t>(v0[d]) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
       }
-      chunks[i] = Chunk{table, qs[s], ql[s], ctx, kd, vd};
+      chunks[i] = Chunk{table, qs[s], ql[s], ctx, kd, vd, ldv};
     }
   });
   std::atomic<int64_t> next{0};
@@ -213,7 +236,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   float* op = out.data_ptr<float>();
   at::parallel_for(0, workers, 1, [&](int64_t wid, int64_t) {
     float* mine = work + wid * work_floats;
-    const Work w{reinterpret_cast<uint32_t*>(mine), mine + (D / 2) * NL, mine + (D / 2) * NL + (max_keys + 2 * KT) * NL};
+    const Work w{reinterpret_cast<uint32_t*>(mine), mine + (D / 2) * NL, mine + (D / 2) * NL + (max_keys + 2 * kPad) * NL};
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
       attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, w);

@@ -25,7 +25,9 @@ namespace bf16 {
 
 inline constexpr int64_t NR = 48;  // output columns per panel
 // rows of x from which the AMX tiles run (fewer: the micro-kernel below)
-inline constexpr int64_t kAmxRowsMin = 2;  // at 1 row the two tie (docs/bench/amx_microbench.py)
+// 1: at one row the two tie (docs/bench/amx_microbench.py), and one path for every row count keeps a row's
+// sums the same whatever the batch (greedy tokens do not change with batching)
+inline constexpr int64_t kAmxRowsMin = 1;
 
 // AMX built in and granted by the kernel (bf16_amx.h); false where it is not built
 inline bool amx_usable() {
