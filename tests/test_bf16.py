@@ -85,7 +85,7 @@ def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):  # noqa: ANN001
 
         csrc = Path(pagedllm.__file__).parent / "csrc"
         stub = tmp_path / "stub.cpp"
-        stub.write_text('#include "linear_bf16.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+        stub.write_text('#include <torch/extension.h>\n#include "linear_bf16.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
                         '  m.def("pack_bf16", &pack_bf16); m.def("linear_bf16", &linear_bf16);\n'
                         '  m.def("isa", &linear_bf16_isa);\n}\n')
         mod = load(name=f"pagedllm_bf16_{isa}", sources=[str(csrc / "linear_bf16.cpp"), str(stub)],

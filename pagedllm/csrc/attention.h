@@ -1,5 +1,5 @@
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 // out[:T] = attention of q's T rows over the paged pool (attention.cpp); k_scale, v_scale [NB, BS, KVH]
 // bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8)

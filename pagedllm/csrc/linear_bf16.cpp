@@ -8,7 +8,7 @@
 // does); y [M, O] fp32; bias fp32 padded to P * 48; accumulation in fp32.
 // Micro-kernel and its ISA paths (AMX-BF16 tiles: bf16_amx.h; AVX512-BF16, AVX512F widening, generic):
 // bf16_tile.h.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cstring>
 

@@ -19,7 +19,7 @@
 //   AVX512-VNNI (+VL) or AVX-VNNI: vpdpbusd on 256-bit vectors (u8 x s8 -> int32, no saturation);
 //   AVX2: vpmaddubsw + vpmaddwd (u8 quants are <= 63, or the Q8_0 sign trick, so int16 never saturates);
 //   otherwise: scalar integer loops.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <memory>

@@ -1,6 +1,6 @@
 // Linear over ggml's quantized blocks, read as GGUF stores them (linear_ggml.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 // ws[i]: [rows_i, row_bytes] in type i's file layout, or repacked (type + 1000, see linear_x16.h)
 torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,

@@ -16,7 +16,7 @@
 // Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma.
 // ISA: AVX512F + BW + VNNI (the panels' fast path: + AVX512-BF16); x16_supported() is false elsewhere
 // and the file's layout is used (linear_ggml.cpp).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked into 16-row groups for AVX-512 VNNI (linear_x16.cpp), used by
 // linear_ggml.cpp for those types where x16_supported() says the CPU runs it.
 #pragma once
-#include <torch/extension.h>
+#include <torch/types.h>
 
 constexpr int64_t kX16 = 1000;  // internal type id = ggml type + kX16 for a repacked part
 
