@@ -64,7 +64,7 @@ struct Work {
 // built, granted and K2 is whole tiles) in 16- and 32-row tiles: rows past n are read (the callers pad them
 // with zeros) and written (out has room for them); else bf16::tile, KT rows a call.
 void product(const uint32_t* x, int64_t n, int64_t ldx, int64_t K2, const uint16_t* panel, float* out, bool amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if PAGEDLLM_AMX
   if (amx) {
     amx::configure();
     int64_t j = 0;
@@ -107,7 +107,7 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   float* S = w.sbuf;  // [keys, 48], row j = key klo + j
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(qpanel);
   const uint32_t* kp = reinterpret_cast<const uint32_t*>(c.k);
-  const bool amx = bf16::amx_usable() && D2 % 16 == 0;
+  const bool amx = amx::usable() && D2 % 16 == 0;
   product(kp + klo * D2, nk, D2, D2, qp, S, amx);
   // scale, mask, the lanes' max
   v16i hv[NV], lv[NV];

@@ -4,21 +4,20 @@
 // 16 x 64-byte tile, three side by side (row stride 192 bytes). x pairs [rows, K2] (K2 a multiple of
 // 16, rows 64-byte aligned) give A tiles of 16 rows x 16 pairs. Accumulators: fp32 C tiles of 16 x 16,
 // 3 per 16 rows of x, in tile registers for the whole k loop.
-// ISA: compiled only with AMX-TILE + AMX-BF16 (-march=native on such a CPU); elsewhere kBuilt is false
-// and nothing here is called. usable() adds the kernel's consent: Linux gives a process the tile data
+// ISA: compiled only with AMX-TILE + AMX-BF16 (-march=native on such a CPU: PAGEDLLM_AMX is 1, the one
+// test callers branch on); elsewhere usable() is false and there are no kernels. usable() adds the kernel's consent: Linux gives a process the tile data
 // state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM), so a CPU with AMX under a kernel that refuses
 // keeps the AVX512-BF16 path.
 #pragma once
 #include <cstdint>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDLLM_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 namespace amx {
-
-inline constexpr bool kBuilt = true;
 
 inline bool usable() {
   constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // asm/prctl.h, the xstate component
@@ -91,9 +90,10 @@ inline void rows(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* pa
 }  // namespace amx
 
 #else
+#define PAGEDLLM_AMX 0
 
 namespace amx {
-inline constexpr bool kBuilt = false;
+inline bool usable() { return false; }  // not built for this CPU
 }  // namespace amx
 
 #endif

@@ -2,8 +2,8 @@
 // linear_ggml.cpp (quantized weights dequantized a panel at a time for prefill-sized batches).
 // Panel layout [K2, 48, 2] bf16: for each pair of k the two weights of a column side by side, the
 // operand layout of vdpbf16ps. R (<= 8) rows x 48 columns, 3R fp32 accumulators.
-// rows_out() is the entry point: AMX-BF16 tiles (bf16_amx.h) where built and granted by the kernel, from
-// kAmxRowsMin rows of x with K a multiple of 32; else the micro-kernel, whose
+// rows_out() is the entry point: AMX-BF16 tiles (bf16_amx.h) where built and granted by the kernel and K is
+// a multiple of 32; else the micro-kernel, whose
 // ISA paths (compile-time; -march=native, build keyed by the CPU's flags) are:
 //   AVX512-BF16: vdpbf16ps;  AVX512F: bf16 pairs widened to fp32 in registers, two FMAs;
 //   otherwise: scalar widening (the compiler vectorizes what it can, e.g. AVX2).
@@ -24,19 +24,6 @@
 namespace bf16 {
 
 inline constexpr int64_t NR = 48;  // output columns per panel
-// rows of x from which the AMX tiles run (fewer: the micro-kernel below)
-// 1: at one row the two tie (docs/bench/amx_microbench.py), and one path for every row count keeps a row's
-// sums the same whatever the batch (greedy tokens do not change with batching)
-inline constexpr int64_t kAmxRowsMin = 1;
-
-// AMX built in and granted by the kernel (bf16_amx.h); false where it is not built
-inline bool amx_usable() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx::usable();
-#else
-  return false;
-#endif
-}
 
 inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -125,10 +112,6 @@ inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* pa
 }
 #endif
 
-// x [M, K] fp32 -> rows of ceil(K / 2) bf16 pairs: a row's pair k is (x[2k], x[2k + 1]), so in memory the
-// row is just x's row in bf16 (round to nearest even, as torch does; a NaN stays NaN), an odd K's tail zero.
-// Rows 64 bytes aligned and, where the AMX tiles will read them (amx), zero rows after the last to a
-// multiple of 16: a tile always loads 16.
 // n elements of T on a 64-byte boundary (tile loads split across cache lines otherwise), uninitialized
 template <class T>
 using Aligned = std::unique_ptr<T, decltype(&std::free)>;
@@ -138,8 +121,12 @@ inline Aligned<T> aligned(int64_t n) {
   return Aligned<T>(static_cast<T*>(std::aligned_alloc(64, bytes)), &std::free);
 }
 
+// x [M, K] fp32 -> rows of ceil(K / 2) bf16 pairs: a row's pair k is (x[2k], x[2k + 1]), so in memory the
+// row is just x's row in bf16 (round to nearest even, as torch does; a NaN stays NaN), an odd K's tail zero.
+// Rows 64 bytes aligned and, where the AMX tiles will read them (amx), zero rows after the last to a
+// multiple of 16: a tile always loads 16.
 struct Pairs {
-  int64_t rows = 0, K2 = 0;
+  int64_t K2 = 0;
   bool amx = false;
   Aligned<uint32_t> buf{nullptr, &std::free};
   const uint32_t* data() const { return buf.get(); }
@@ -148,10 +135,11 @@ struct Pairs {
 // 16 floats a vector: the scalar loop this replaced cost more than the matmul's own panels at K = 1536.
 inline Pairs pairs(const float* xf, int64_t M, int64_t K) {
   Pairs xb;
-  xb.rows = M;
   xb.K2 = (K + 1) / 2;
   const int64_t K2 = xb.K2;
-  xb.amx = amx::kBuilt && K2 % 16 == 0 && M >= kAmxRowsMin && amx_usable();
+  // AMX from one row: at one row it ties the micro-kernel (docs/bench/amx_microbench.py), and one path for
+  // every row count keeps a row's sums the same whatever the batch (greedy tokens do not change with it)
+  xb.amx = K2 % 16 == 0 && amx::usable();
   const int64_t padded = xb.amx ? (M + 15) / 16 * 16 : M;
   xb.buf = aligned<uint32_t>(padded * K2);
   if (padded > M) std::memset(xb.buf.get() + M * K2, 0, (padded - M) * K2 * 4);
@@ -190,7 +178,7 @@ inline void rows_out(const Pairs& xb, int64_t m_lo, int64_t m_hi, const uint16_t
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < cols; ++c) y[(m + i) * O + c] = tmp[i * NR + c] + (bias ? bias[c] : 0.f);
   };
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if PAGEDLLM_AMX
   if (xb.amx) {
     // full tiles of real rows and a whole panel of columns are stored straight into y (the copy through
     // a buffer cost as much as the products at K = 576); the rest through tmp

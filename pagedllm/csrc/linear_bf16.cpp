@@ -17,7 +17,7 @@
 
 using bf16::NR;
 
-const char* linear_bf16_isa() { return bf16::amx_usable() ? "amx_bf16" : bf16::kIsa; }
+const char* linear_bf16_isa() { return amx::usable() ? "amx_bf16" : bf16::kIsa; }
 
 torch::Tensor pack_bf16(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_bf16: w must be [O, K]");
