@@ -1,7 +1,8 @@
 """Where the mixed (or shared-prefix) workload's time goes: the engine's calls wrapped with timers (linears by
-row count, SDPA over prompts where the pool is fp32, the whole attention call), the default model, bf16 dense
-parts. Run: .venv/bin/python docs/bench/mixed_breakdown.py [mixed|shared-prefix] [none]   (none: the GGUF
-dequantized to bf16 panels, issue 12's setting; the wrappers add ~1 us a call)"""
+row count, SDPA over prompts where the pool is fp32, the whole attention call split by whether the step had
+prompt chunks), the default model, bf16 dense parts.
+Run: .venv/bin/python docs/bench/mixed_breakdown.py [mixed|shared-prefix] [none]   (none: the GGUF dequantized
+to bf16 panels, issue 12's setting; the wrappers add ~1 us a call)"""
 
 import collections
 import sys
@@ -36,7 +37,13 @@ def rows(_w, x) -> str:  # noqa: ANN001
 weight_formats.GGMLWeight.matmul = timed(weight_formats.GGMLWeight.matmul, key=rows)
 weight_formats.DensePanels.matmul = timed(weight_formats.DensePanels.matmul, key=rows)
 attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
-llama.attention_from_qkv = timed(llama.attention_from_qkv, "attention calls (all paths)")
+
+
+def attention_kind(_ops, _qkv, _cos, _sin, _heads, _cache, meta, _scale) -> str:  # noqa: ANN001
+    return "attention, steps with chunks" if meta.chunks is not None else "attention, rows only"
+
+
+llama.attention_from_qkv = timed(llama.attention_from_qkv, key=attention_kind)
 model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
 engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization="none" if "none" in sys.argv[1:] else None))
 workload = shared_prefix if "shared-prefix" in sys.argv[1:] else mixed
