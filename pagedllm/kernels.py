@@ -80,6 +80,7 @@ class Ops:
     ggml_repacks: object
     repack_ggml: object
     mask_rows_: object
+    shared_prefix_groups: object
 
 
 def cpu_isa_flags() -> str:
@@ -160,7 +161,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
     return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
                mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_)
+               mod.mask_rows_, mod.shared_prefix_groups)
 
 
 @cache  # one build per process: the compiled library never changes once loaded

@@ -363,3 +363,62 @@ def test_attention_without_avx512(ops_avx2) -> None:  # noqa: ANN001
     for pool in (torch.float32, torch.bfloat16):
         _attention_qkv_case(ops_avx2.attention_qkv, 9, 3, 64, pool)
         _attention_qkv_case(ops_avx2.attention_qkv, 8, 2, 24, pool)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d, bs", [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 5), (8, 2, 24, 16),
+                                                    (16, 4, 80, 8)])
+def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: int, bs: int) -> None:  # noqa: ANN001
+    """Rows of sequences whose tables start with the same blocks (prefix caching): over a bf16 pool the op
+    attends those keys once for a slice of rows (shared_prefix_groups says which keys and rows), each row's
+    own keys row by row, and the row's p rounded against its max over both, so the result is the
+    rounded-q-and-p reference and, within fp32 sum order, the op on private copies of the same blocks."""
+    g = torch.Generator().manual_seed(heads + d + bs)
+    group = heads // kv_heads
+    per_slice = 48 // group
+    shared = 96 // bs  # blocks every member holds
+    # (q_len, ctx_len, shares the prefix): members (one with no keys of its own, one of 3 rows), a sequence
+    # with blocks of its own, and one too short to group
+    seqs = [(1, shared * bs, True), (3, shared * bs + 20, True)]
+    seqs += [(1, shared * bs + 1 + int(torch.randint(0, 60, (1,), generator=g)), True)
+             for _ in range(per_slice + per_slice // 2 - 3)]
+    seqs += [(1, 150, False), (1, 40, False)]
+    nb = shared * (len(seqs) + 1) + sum(-(-c // bs) for _, c, _ in seqs)  # the prefix, its copies, own blocks
+    perm = torch.randperm(nb, generator=g).tolist()
+    prefix, free = perm[:shared], iter(perm[shared:])
+    tables = []
+    for _, c, member in seqs:
+        n_blocks = -(-c // bs)
+        own = [next(free) for _ in range(n_blocks - (shared if member else 0))]
+        tables.append((prefix if member else []) + own)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q_len, ctx = torch.tensor([n for n, _, _ in seqs]), torch.tensor([c for _, c, _ in seqs])
+    q_start = torch.cumsum(q_len, 0) - q_len
+    row_seq = torch.repeat_interleave(torch.arange(len(seqs)), q_len)
+    k_pool = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
+    v_pool = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
+    q = torch.randn(int(q_len.sum()), heads, d, generator=g)
+    member_rows = [r for r in range(len(q)) if seqs[int(row_seq[r])][2]]
+    assert ops.shared_prefix_groups(bt, row_seq, q_start, q_len, ctx, bs, group) == [((shared * bs) & ~1, member_rows)]
+    out = torch.zeros_like(q)
+    ops.paged_attention(out, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, 0, None, None, None)
+    # the same keys in private blocks: no groups, every row on its own
+    copies = torch.tensor(list(free)[:len(seqs) * shared]).view(len(seqs), shared)
+    private = bt.clone()
+    for s, (_, _, member) in enumerate(seqs):
+        if member:
+            private[s, :shared] = copies[s]
+            k_pool[copies[s]], v_pool[copies[s]] = k_pool[prefix], v_pool[prefix]
+    assert ops.shared_prefix_groups(private, row_seq, q_start, q_len, ctx, bs, group) == []
+    alone = torch.zeros_like(q)
+    ops.paged_attention(alone, q, k_pool, v_pool, private, row_seq, q_start, q_len, ctx, d ** -0.5, 0, None, None, None)
+    refs = []
+    for s, (n, c, _) in enumerate(seqs):
+        k, v = (p[bt[s]].reshape(-1, kv_heads, d)[:c].transpose(0, 1).unsqueeze(0) for p in (k_pool, v_pool))
+        mask = torch.arange(c).unsqueeze(0) <= torch.arange(c - n, c).unsqueeze(1)
+        refs.append(attention_ref(q[q_start[s]:q_start[s] + n].transpose(0, 1).unsqueeze(0), k, v,
+                                  mask.view(1, 1, n, c), d ** -0.5, torch.bfloat16)[0].transpose(0, 1))
+    ref = torch.cat(refs)
+    assert_attention_close(out, ref, torch.bfloat16)
+    assert_attention_close(alone, ref, torch.bfloat16)
+    assert_attention_close(out, alone, torch.bfloat16)

@@ -30,18 +30,27 @@
 // With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128} runs attend_item_bf16 instead: vdpbf16ps on the
 // pool's rows as stored (no widening), 2-2.4x the widening path at 64 rows (docs/bench/attention_microbench.py:
 // 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us).
+// Shared prefixes: over a bf16 pool, rows whose sequences start with the same blocks (prefix caching's system
+// prompt, or n samples of a prompt) are grouped (prefix_groups); the keys they share are gathered once per KV
+// head and attended by 48 / G rows at a time in the chunk kernel's math (attend_shared: AMX tiles where the
+// CPU has them), and only each row's own keys go row by row, in two phases around the merged max so that p
+// is still rounded against the row's max. docs/bench/shared_prefix_microbench.py: 64 decode rows behind 512
+// shared keys, one layer, 2.5 -> 0.8-1.0 ms (2.5-3x) on the AMX Xeon.
 // Also here: rotary embedding, and attention_qkv (rope + the K/V write + attention in one call per layer).
 #include "attention.h"
+#include "bf16_tile.h"
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -386,6 +395,173 @@ ItemFn pick_kernel(int64_t D, int64_t G) {
   }
 }
 
+// Rows whose sequences share their first keys' blocks (a system prompt under prefix caching, or the
+// samples of one prompt): those keys, P of them, gathered once per KV head and attended by up to 48 / G
+// rows at a time in the chunk kernel's math (attend_shared), where the decode op would read and multiply
+// them once per row; each row's other keys go through the decode op as before, in two phases around the
+// merged max, so its p are rounded against its max as on every other path.
+struct PrefixGroup {
+  const int64_t* table;
+  int64_t P;
+  std::vector<int64_t> rows;
+};
+
+constexpr int64_t kMinShared = 64;  // keys; fewer are not worth a gather
+
+// rows of a slice: their lanes (row, query head of the KV head) fill the chunk kernel's 48
+inline int64_t slice_rows(int64_t G) { return std::max<int64_t>(1, 48 / G); }
+
+// The groups of the T rows: sequences grouped by their first block, P = the keys every member's rows
+// attend in blocks the leader also holds (even), at least kMinShared and two sequences. A group keeps its
+// whole slices and a last one at least half full (its exps run over all 48 lanes); the rest go row by row.
+std::vector<PrefixGroup> prefix_groups(int64_t T, const int64_t* rs, const int64_t* qs, const int64_t* ql,
+                                       const int64_t* cl, const int64_t* bt, int64_t MAXB, int64_t BS, int64_t G) {
+  const int64_t rows_per = slice_rows(G), min_rows = (rows_per + 1) / 2;
+  if (G > 48) return {};
+  std::vector<int64_t> first_row;  // sequences in order of first appearance
+  std::unordered_map<int64_t, int64_t> seen;
+  for (int64_t r = 0; r < T; ++r)
+    if (seen.emplace(rs[r], 0).second) first_row.push_back(rs[r]);
+  std::unordered_map<int64_t, size_t> by_block;  // first block id -> group
+  std::vector<PrefixGroup> groups;
+  std::vector<int64_t> leader, members;
+  for (const int64_t s : first_row) {
+    const int64_t hi_min = cl[s] - ql[s] + 1;
+    if (hi_min < kMinShared) continue;
+    const auto [it, fresh] = by_block.emplace(bt[s * MAXB], groups.size());
+    if (fresh) {
+      groups.push_back(PrefixGroup{bt + s * MAXB, hi_min, {}});
+      leader.push_back(s);
+      members.push_back(0);
+    }
+    PrefixGroup& g = groups[it->second];
+    const int64_t* lead = bt + leader[it->second] * MAXB;
+    int64_t lcp = 0;
+    const int64_t nb = std::min((hi_min + BS - 1) / BS, (g.P + BS - 1) / BS);
+    while (lcp < nb && bt[s * MAXB + lcp] == lead[lcp]) ++lcp;
+    g.P = std::min({g.P, hi_min, lcp * BS});
+    members[it->second] += 1;
+  }
+  for (size_t i = 0; i < groups.size(); ++i) groups[i].P &= ~int64_t{1};
+  for (int64_t r = 0; r < T; ++r) {
+    const int64_t s = rs[r];
+    if (cl[s] - ql[s] + 1 < kMinShared) continue;
+    const size_t gi = by_block.at(bt[s * MAXB]);
+    if (members[gi] >= 2 && groups[gi].P >= kMinShared) groups[gi].rows.push_back(r);
+  }
+  std::vector<PrefixGroup> kept;
+  for (PrefixGroup& g : groups) {
+    const int64_t n = static_cast<int64_t>(g.rows.size());
+    const int64_t whole = n / rows_per * rows_per, keep = n - whole >= min_rows ? n : whole;
+    g.rows.resize(keep);
+    if (keep > 0) kept.push_back(std::move(g));
+  }
+  return kept;
+}
+
+// The rows of a step with at least as many rows as threads: the groups' slices (their shared keys once,
+// then each row's own keys) and the other rows one by one, from one counter, slices first
+template <class Keys>
+void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t rows_per, int64_t T, int64_t H, int64_t KVH,
+                    int64_t D, const Pool& K, const Pool& V, int64_t BS, float scale, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& q, float* op, Keys&& keys, ItemFn fn) {
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_stride = q.stride(0), G = H / KVH, NG = static_cast<int64_t>(groups.size());
+  std::vector<int64_t> key_off(NG * KVH + 1, 0);
+  int64_t max_p = 0;
+  for (int64_t i = 0; i < NG * KVH; ++i) {
+    key_off[i + 1] = key_off[i] + shared_keys_bytes(groups[i / KVH].P, D);
+    max_p = std::max(max_p, groups[i / KVH].P);
+  }
+  auto key_buf = bf16::aligned<uint8_t>(key_off.back());
+  std::vector<SharedKeys> shared(NG * KVH);
+  at::parallel_for(0, NG * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      shared[i] = gather_shared_keys(k_cache, v_cache, groups[i / KVH].table, i % KVH, groups[i / KVH].P,
+                                     key_buf.get() + key_off[i]);
+  });
+  struct Task {
+    int64_t group, r0, n;  // group < 0: row r0 alone
+  };
+  std::vector<Task> tasks;
+  std::vector<char> in_group(T, 0);
+  for (int64_t g = 0; g < NG; ++g) {
+    const int64_t n = static_cast<int64_t>(groups[g].rows.size());
+    for (int64_t r0 = 0; r0 < n; r0 += rows_per) tasks.push_back(Task{g, r0, std::min(rows_per, n - r0)});
+    for (const int64_t r : groups[g].rows) in_group[r] = 1;
+  }
+  for (int64_t r = 0; r < T; ++r)
+    if (!in_group[r]) tasks.push_back(Task{-1, r, 1});
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(tasks.size()));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch s;
+    std::vector<float> mx(rows_per * H), sum(rows_per * H), own_mx(rows_per * H), own_sum(rows_per * H),
+        own_acc(rows_per * H * D), scores;
+    std::vector<Item> own(rows_per);
+    auto work = bf16::aligned<float>(max_p > 0 ? shared_work_floats(max_p, D) : 1);
+    for (int64_t ti = next++; ti < static_cast<int64_t>(tasks.size()); ti = next++) {
+      const Task& task = tasks[ti];
+      if (task.group < 0) {
+        const int64_t r = task.r0;
+        Item it{qp + r * q_stride, nullptr, 0, 0, mx.data(), sum.data(), op + r * H * D};
+        it.table = keys(r, &it.lo, &it.hi);
+        fn(it, H, KVH, K, V, BS, scale, s);
+        for (int64_t h = 0; h < H; ++h) {
+          const float inv = 1.f / sum[h];
+          for (int64_t d = 0; d < D; ++d) it.acc[h * D + d] *= inv;
+        }
+        continue;
+      }
+      const PrefixGroup& g = groups[task.group];
+      const int64_t* rows = g.rows.data() + task.r0;
+      const int64_t n = task.n;
+      // phase 1 over each row's own keys [P, hi): their scores kept, their max
+      int64_t total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        Item& it = own[i];
+        it = Item{qp + rows[i] * q_stride, nullptr, 0, 0, own_mx.data() + i * H, own_sum.data() + i * H,
+                  own_acc.data() + i * H * D};
+        it.table = keys(rows[i], &it.lo, &it.hi);
+        it.lo = g.P;
+        total += it.hi > it.lo ? H * score_ld(it.hi - it.lo) : 0;
+      }
+      scores.resize(std::max<int64_t>(total, 1));
+      total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        Item& it = own[i];
+        if (it.hi <= it.lo) {
+          std::fill(it.mx, it.mx + H, vec::kMasked);
+          continue;
+        }
+        it.phase = 1;
+        it.scores = scores.data() + total;
+        total += H * score_ld(it.hi - it.lo);
+        fn(it, H, KVH, K, V, BS, scale, s);
+      }
+      // the shared keys, a KV head at a time, each lane's max floored by its own keys' max
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        attend_shared(shared[task.group * KVH + kh], kh, rows, n, H, G, D, qp, q_stride, scale, own_mx.data(),
+                      mx.data(), sum.data(), op, work.get());
+      // phase 2 of the own keys against the merged max; out = (both V sums) / (both sums of p)
+      for (int64_t i = 0; i < n; ++i) {
+        Item& it = own[i];
+        const bool has_own = it.hi > it.lo;
+        if (has_own) {
+          it.phase = 2;
+          std::copy(mx.data() + i * H, mx.data() + (i + 1) * H, it.mx);
+          fn(it, H, KVH, K, V, BS, scale, s);
+        }
+        float* o = op + rows[i] * H * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const float inv = 1.f / (sum[i * H + h] + (has_own ? it.sum[h] : 0.f));
+          for (int64_t d = 0; d < D; ++d) o[h * D + d] = (o[h * D + d] + (has_own ? it.acc[h * D + d] : 0.f)) * inv;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -433,19 +609,11 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   };
   const int64_t threads = at::get_num_threads();
   if (T >= threads) {
-    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-      Scratch s;
-      std::vector<float> mx(H), sum(H);
-      for (int64_t r = begin; r < end; ++r) {
-        Item it{qp + r * q.stride(0), nullptr, 0, 0, mx.data(), sum.data(), op + r * H * D};
-        it.table = keys(r, &it.lo, &it.hi);
-        fn(it, H, KVH, K, V, BS, fscale, s);
-        for (int64_t h = 0; h < H; ++h) {
-          const float inv = 1.f / sum[h];
-          for (int64_t d = 0; d < D; ++d) it.acc[h * D + d] *= inv;
-        }
-      }
-    });
+    // bf16 pools: the shared keys in the chunk kernel's math, which rounds as this pool's decode op does
+    const int64_t G = H / KVH, rows_per = slice_rows(G);
+    std::vector<PrefixGroup> groups;
+    if (dtype == 1 && window == 0 && D % 8 == 0) groups = prefix_groups(T, rs, qs, ql, cl, bt, MAXB, BS, G);
+    attend_grouped(groups, rows_per, T, H, KVH, D, K, V, BS, fscale, k_cache, v_cache, q, op, keys, fn);
     return;
   }
   // Fewer rows than threads (one stream decoding): each row's keys in ranges of at least 128, one item
@@ -604,5 +772,19 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
     attend_chunks(out, qkv.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache, *chunk_tables, *chunk_q_start,
                   *chunk_q_len, *chunk_ctx_len, scale, window, *chunk_scratch);
   }
+  return out;
+}
+
+std::vector<std::tuple<int64_t, std::vector<int64_t>>> shared_prefix_groups(
+    torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
+    torch::Tensor ctx_len, int64_t block_size, int64_t heads_per_kv) {
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == torch::kInt64,
+              "shared_prefix_groups: block_tables must be contiguous int64 [S, MAXB]");
+  TORCH_CHECK(heads_per_kv >= 1 && block_size >= 1, "shared_prefix_groups: bad geometry");
+  const auto groups = prefix_groups(row_seq.numel(), row_seq.data_ptr<int64_t>(), q_start.data_ptr<int64_t>(),
+                                    q_len.data_ptr<int64_t>(), ctx_len.data_ptr<int64_t>(),
+                                    block_tables.data_ptr<int64_t>(), block_tables.size(1), block_size, heads_per_kv);
+  std::vector<std::tuple<int64_t, std::vector<int64_t>>> out;
+  for (const auto& g : groups) out.emplace_back(g.P, g.rows);
   return out;
 }

@@ -1,6 +1,9 @@
 #pragma once
 #include <torch/types.h>
 
+#include <tuple>
+#include <vector>
+
 // out[:T] = attention of q's T rows over the paged pool (attention.cpp); k_scale, v_scale [NB, BS, KVH]
 // bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8)
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -32,3 +35,30 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
                    double scale, int64_t window, torch::Tensor scratch);
+
+// Keys [0, P) of one KV head that the rows of several sequences share (the same blocks in their tables),
+// gathered once (attention_chunks.cpp) into a buffer of shared_keys_bytes: K rows [P + 32, D], V as key pairs
+// [D, ldv]. P even.
+struct SharedKeys {
+  const uint16_t* k;
+  const uint32_t* v;
+  int64_t P, ldv;
+};
+int64_t shared_keys_bytes(int64_t P, int64_t D);
+SharedKeys gather_shared_keys(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* table,
+                              int64_t kh, int64_t P, void* buf);
+// The floats of scratch attend_shared needs
+int64_t shared_work_floats(int64_t P, int64_t D);
+// n <= 48 / G query rows (q row indices rows[0 : n], q_stride floats apart, heads contiguous) over the shared
+// keys, the G heads of KV head kh, as the chunk kernel computes: per (row i, head h) at [i * H + h], the max
+// over these keys and floor (its other keys' max) into mx, the sum of p = exp(s - mx) into sum, and the V sum
+// of p (unnormalized) into out's row rows[i] ([rows, H, D])
+void attend_shared(const SharedKeys& sk, int64_t kh, const int64_t* rows, int64_t n, int64_t H, int64_t G, int64_t D,
+                   const float* q, int64_t q_stride, float scale, const float* floor, float* mx, float* sum, float* out,
+                   float* work);
+
+// The groups paged_attention forms over a bf16 pool (rows whose sequences share leading blocks): per group
+// (P, its rows), P = the keys attended once for all of them; heads_per_kv = H / KVH
+std::vector<std::tuple<int64_t, std::vector<int64_t>>> shared_prefix_groups(
+    torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
+    torch::Tensor ctx_len, int64_t block_size, int64_t heads_per_kv);

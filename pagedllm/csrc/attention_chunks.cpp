@@ -17,6 +17,8 @@
 // This is the decode op's math for a bf16 pool (q and p rounded alike, p from the exact max, the sum of p
 // unrounded, the same exp16), so a prompt attended here, chunked, or decoded row by row differs in the order
 // of fp32 sums only. Items go largest first to the threads from one counter (causal rows are uneven).
+// The same math serves keys that several sequences share (attend_shared, for attention.cpp's grouped decode
+// rows): lanes from any rows, every lane over all the shared keys, its max floored by its own keys' max.
 // ISA: both products on AMX-BF16 tiles where the CPU has them (bf16_amx.h: S^T 32 keys a call, O^T 32 dims;
 // head_dim a multiple of 32), else bf16::tile (vdpbf16ps with AVX512-BF16, widened FMAs with AVX512F, loops
 // the compiler vectorizes elsewhere); the softmax on vec16.h's 16-float vectors.
@@ -77,29 +79,29 @@ void product(const uint32_t* x, int64_t n, int64_t ldx, int64_t K2, const uint16
   for (int64_t j = 0; j < n; j += KT) bf16::tile<KT>(x + j * ldx, ldx, K2, panel, out + j * NL);
 }
 
-// One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
-void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
-            float scale, int64_t window, float* out, const Work& w) {
-  const int64_t D2 = D / 2, rows_per = NL / G, rows = std::min(rows_per, c.q_len - r0), lanes = rows * G;
-  alignas(64) int32_t hi[NL], lo[NL];
-  int64_t klo = c.ctx, khi = 0;
-  for (int64_t l = 0; l < NL; ++l) {
-    if (l < lanes) {
-      hi[l] = static_cast<int32_t>(c.ctx - c.q_len + r0 + l / G + 1);
-      lo[l] = window > 0 ? std::max<int32_t>(0, hi[l] - static_cast<int32_t>(window)) : 0;
-      klo = std::min<int64_t>(klo, lo[l]);
-      khi = std::max<int64_t>(khi, hi[l]);
-    } else {
-      hi[l] = lo[l] = 0;  // padding lanes: no keys
-    }
-  }
-  klo &= ~int64_t{1};  // whole key pairs
-  const int64_t nk = khi - klo, np = (nk + 1) / 2;
-  // q panel [D / 2, 48, 2]: lane l = (row r0 + l / G, head kh * G + l % G)
+// Where an item's lanes come from and what bounds their keys: lane l < lanes is query row row(l / G) (a
+// q row index) and head kh * G + l % G, over keys [lo[l], hi[l]) of the gathered K / V (keys [klo, khi) span
+// them all); floor[l] is a max the lane's softmax must not go below (keys the lane attends elsewhere), or
+// kMasked
+struct Lanes {
+  int64_t lanes, kh, klo, khi;
+  const int32_t *lo, *hi;
+  const float* floor;
+};
+
+// The lanes' softmax over their keys and its V sum, unnormalized: ot [D, 48] (= w.ot), the lanes' max mx and
+// sum of p (48 each); q rows from q (q_stride floats apart, heads contiguous)
+template <class Row>
+void attend_lanes(const Chunk& c, const Lanes& ln, Row&& row, int64_t G, int64_t D, const float* q, int64_t q_stride,
+                  float scale, const Work& w, float* mx_out, float* sum_out) {
+  const int64_t D2 = D / 2, lanes = ln.lanes;
+  const int64_t klo = ln.klo & ~int64_t{1};  // whole key pairs
+  const int64_t nk = ln.khi - klo, np = (nk + 1) / 2;
+  // q panel [D / 2, 48, 2]
   uint32_t* qpanel = w.qpanel;
   std::fill(qpanel, qpanel + D2 * NL, 0u);
   for (int64_t l = 0; l < lanes; ++l) {
-    const float* qr = q + (c.q_start + r0 + l / G) * q_stride + (kh * G + l % G) * D;
+    const float* qr = q + row(l / G) * q_stride + (ln.kh * G + l % G) * D;
     for (int64_t k = 0; k < D2; ++k)
       qpanel[k * NL + l] = static_cast<uint32_t>(bf16::to_bf16(qr[2 * k])) |
                            static_cast<uint32_t>(bf16::to_bf16(qr[2 * k + 1])) << 16;
@@ -110,12 +112,19 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   const bool amx = amx::usable() && D2 % 16 == 0;
   product(kp + klo * D2, nk, D2, D2, qp, S, amx);
   // scale, mask, the lanes' max
+  alignas(64) int32_t hi[NL], lo[NL];
+  alignas(64) float fl[NL];
+  for (int64_t l = 0; l < NL; ++l) {
+    hi[l] = l < lanes ? ln.hi[l] : 0;  // padding lanes: no keys
+    lo[l] = l < lanes ? ln.lo[l] : 0;
+    fl[l] = l < lanes && ln.floor ? ln.floor[l] : vec::kMasked;
+  }
   v16i hv[NV], lv[NV];
   v16f mx[NV];
   for (int v = 0; v < NV; ++v) {
     std::memcpy(&hv[v], hi + 16 * v, sizeof(v16i));
     std::memcpy(&lv[v], lo + 16 * v, sizeof(v16i));
-    mx[v] = v16f{} + vec::kMasked;
+    mx[v] = vec::load16(fl + 16 * v);
   }
   for (int64_t j = 0; j < nk; ++j) {
     const int32_t key = static_cast<int32_t>(klo + j);
@@ -147,14 +156,49 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   // O^T [D, 48] = V^T . P over the item's key pairs (on AMX, whole tiles of 16 pairs: P's extra pairs zero)
   const int64_t npt = amx ? (np + 15) / 16 * 16 : np;
   std::fill(P + np * NL, P + npt * NL, 0u);
-  float* ot = w.ot;
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P);
-  product(c.v + klo / 2, D, c.ldv, npt, pp, ot, amx);
-  alignas(64) float inv[NL];
-  for (int v = 0; v < NV; ++v) vec::store16(inv + 16 * v, 1.f / (sum[v] > 0.f ? sum[v] : v16f{} + 1.f));
+  product(c.v + klo / 2, D, c.ldv, npt, pp, w.ot, amx);
+  for (int v = 0; v < NV; ++v) {
+    vec::store16(mx_out + 16 * v, mx[v]);
+    vec::store16(sum_out + 16 * v, sum[v]);
+  }
+}
+
+// One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
+void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
+            float scale, int64_t window, float* out, const Work& w) {
+  const int64_t rows_per = NL / G, rows = std::min(rows_per, c.q_len - r0), lanes = rows * G;
+  alignas(64) int32_t hi[NL], lo[NL];
+  int64_t klo = c.ctx, khi = 0;
   for (int64_t l = 0; l < lanes; ++l) {
+    hi[l] = static_cast<int32_t>(c.ctx - c.q_len + r0 + l / G + 1);
+    lo[l] = window > 0 ? std::max<int32_t>(0, hi[l] - static_cast<int32_t>(window)) : 0;
+    klo = std::min<int64_t>(klo, lo[l]);
+    khi = std::max<int64_t>(khi, hi[l]);
+  }
+  alignas(64) float mx[NL], sum[NL];
+  attend_lanes(c, Lanes{lanes, kh, klo, khi, lo, hi, nullptr}, [&](int64_t i) { return c.q_start + r0 + i; }, G, D, q,
+               q_stride, scale, w, mx, sum);
+  for (int64_t l = 0; l < lanes; ++l) {
+    const float inv = 1.f / (sum[l] > 0.f ? sum[l] : 1.f);
     float* o = out + ((c.q_start + r0 + l / G) * H + kh * G + l % G) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = ot[d * NL + l] * inv[l];
+    for (int64_t d = 0; d < D; ++d) o[d] = w.ot[d * NL + l] * inv;
+  }
+}
+
+// One (chunk, KV head)'s keys [0, ctx): K rows gathered into kd [ctx + kPad, D], V as key pairs into vd [D, ldv]
+void gather(const uint16_t* kpool, const uint16_t* vpool, const int64_t* table, int64_t BS, int64_t row, int64_t kh,
+            int64_t D, int64_t ctx, uint16_t* kd, uint32_t* vd, int64_t ldv) {
+  const int64_t pairs = (ctx + 1) / 2;
+  auto slot_row = [&](const uint16_t* pool, int64_t t) { return pool + (table[t / BS] * BS + t % BS) * row + kh * D; };
+  for (int64_t t = 0; t < ctx; ++t) std::memcpy(kd + t * D, slot_row(kpool, t), D * sizeof(uint16_t));
+  std::fill(kd + ctx * D, kd + (ctx + kPad) * D, uint16_t{0});
+  for (int64_t d = 0; d < D; ++d) std::fill(vd + d * ldv + pairs, vd + (d + 1) * ldv, 0u);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* v0 = slot_row(vpool, 2 * p);
+    const uint16_t* v1 = 2 * p + 1 < ctx ? slot_row(vpool, 2 * p + 1) : nullptr;
+    for (int64_t d = 0; d < D; ++d)
+      vd[d * ldv + p] = static_cast<uint32_t>(v0[d]) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
   }
 }
 
@@ -211,23 +255,11 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], pairs = (ctx + 1) / 2, ldv = pairs + kPad / 2;
-      const int64_t* table = bt + s * MAXB;
+      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = (ctx + 1) / 2 + kPad / 2;
       uint16_t* kd = kbuf + koff[i];
       uint32_t* vd = vbuf + voff[i];
-      auto slot_row = [&](const uint16_t* pool, int64_t t) {
-        return pool + (table[t / BS] * BS + t % BS) * row + kh * D;
-      };
-      for (int64_t t = 0; t < ctx; ++t) std::memcpy(kd + t * D, slot_row(kpool, t), D * sizeof(uint16_t));
-      std::fill(kd + ctx * D, kd + (ctx + kPad) * D, uint16_t{0});
-      for (int64_t d = 0; d < D; ++d) std::fill(vd + d * ldv + pairs, vd + (d + 1) * ldv, 0u);
-      for (int64_t p = 0; p < pairs; ++p) {
-        const uint16_t* v0 = slot_row(vpool, 2 * p);
-        const uint16_t* v1 = 2 * p + 1 < ctx ? slot_row(vpool, 2 * p + 1) : nullptr;
-        for (int64_t d = 0; d < D; ++d)
-          vd[d * ldv + p] = static_cast<uint32_t>(v0[d]) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
-      }
-      chunks[i] = Chunk{table, qs[s], ql[s], ctx, kd, vd, ldv};
+      gather(kpool, vpool, bt + s * MAXB, BS, row, kh, D, ctx, kd, vd, ldv);
+      chunks[i] = Chunk{bt + s * MAXB, qs[s], ql[s], ctx, kd, vd, ldv};
     }
   });
   std::atomic<int64_t> next{0};
@@ -242,4 +274,45 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
       attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, w);
     }
   });
+}
+
+// Keys shared by the rows of several sequences (attention.cpp groups decode rows by shared prefix blocks):
+// the same item math with lanes from any rows and every lane over all P keys, the lane's max taken with the
+// max over its other keys (floor), so that its p are rounded against the row's max as everywhere else.
+int64_t shared_keys_bytes(int64_t P, int64_t D) { return ((P + kPad) * D * 2 + D * (P / 2 + kPad / 2) * 4 + 63) / 64 * 64; }
+
+int64_t shared_work_floats(int64_t P, int64_t D) { return (D / 2) * NL + (P + 2 * kPad) * NL + D * NL; }
+
+SharedKeys gather_shared_keys(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* table,
+                              int64_t kh, int64_t P, void* buf) {
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), ldv = P / 2 + kPad / 2;
+  uint16_t* kd = static_cast<uint16_t*>(buf);
+  uint32_t* vd = reinterpret_cast<uint32_t*>(kd + (P + kPad) * D);
+  gather(reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
+         table, BS, KVH * D, kh, D, P, kd, vd, ldv);
+  return SharedKeys{kd, vd, P, ldv};
+}
+
+void attend_shared(const SharedKeys& sk, int64_t kh, const int64_t* rows, int64_t n, int64_t H, int64_t G, int64_t D,
+                   const float* q, int64_t q_stride, float scale, const float* floor, float* mx, float* sum, float* out,
+                   float* work) {
+  TORCH_CHECK(n * G <= NL && sk.P % 2 == 0, "attend_shared: at most 48 lanes over whole key pairs");
+  const Chunk c{nullptr, 0, 0, sk.P, sk.k, sk.v, sk.ldv};
+  const Work w{reinterpret_cast<uint32_t*>(work), work + (D / 2) * NL, work + (D / 2) * NL + (sk.P + 2 * kPad) * NL};
+  const int64_t lanes = n * G;
+  alignas(64) int32_t lo[NL] = {}, hi[NL];
+  alignas(64) float fl[NL], lmx[NL], lsum[NL];
+  for (int64_t l = 0; l < lanes; ++l) {
+    hi[l] = static_cast<int32_t>(sk.P);
+    fl[l] = floor[(l / G) * H + kh * G + l % G];
+  }
+  attend_lanes(c, Lanes{lanes, kh, 0, sk.P, lo, hi, fl}, [&](int64_t i) { return rows[i]; }, G, D, q, q_stride, scale,
+               w, lmx, lsum);
+  for (int64_t l = 0; l < lanes; ++l) {
+    const int64_t i = l / G, h = kh * G + l % G;
+    mx[i * H + h] = lmx[l];
+    sum[i * H + h] = lsum[l];
+    float* o = out + (rows[i] * H + h) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = w.ot[d * NL + l];
+  }
 }

@@ -168,6 +168,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, bf16 or fp8 pool; fp32 math; CPU)");
   m.def("attention_qkv", &attention_qkv, "rope on q/k of qkv rows, their K/V written to an fp32 or bf16 pool, the "
         "first num_paged rows attended over the pool, prefill chunks of a bf16 pool too; returns [T, H, D] (CPU)");
+  m.def("shared_prefix_groups", &shared_prefix_groups, "the (shared keys, rows) groups paged_attention forms over a "
+        "bf16 pool");
   m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)");
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
