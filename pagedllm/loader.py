@@ -257,9 +257,9 @@ class _GGUFTensors:
     written, so they stay the file's pages), everything else is read once and its pages dropped."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
+        from .gguf_file import open_gguf
 
-        self.reader = GGUFReader(str(path), "c")
+        self.reader = open_gguf(path, "c")
         self.by_name = {t.name: t for t in self.reader.tensors}
         self.meta = read_gguf_metadata(self.reader)
 

@@ -60,9 +60,9 @@ def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
 
 
 def shape_from_gguf(path: Path) -> ModelShape:
-    from gguf import GGUFReader
+    from .gguf_file import open_gguf
 
-    r = GGUFReader(str(path))
+    r = open_gguf(path)
     arch = r.fields["general.architecture"].contents()
     stored = sum(int(t.n_bytes) for t in r.tensors)  # what the engine holds: the file's formats, as stored
 

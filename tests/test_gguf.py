@@ -119,3 +119,36 @@ def test_random_gguf_shapes_are_the_models() -> None:
     s = SHAPES["llama3-8b"]
     per_layer = 2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * (s.hidden // s.heads) + 3 * s.hidden * s.intermediate
     assert np.isclose(per_layer * s.layers / 1e9, 6.98, atol=0.01)  # Llama-3-8B's body, 7.0 B weights
+
+
+def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:  # noqa: ANN001
+    """gguf_file.open_gguf parses from a plain view of the map: the same fields (every value type, a string
+    array like a vocabulary) and the same tensors as gguf's own reader."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    from pagedllm.gguf_file import open_gguf
+
+    path = tmp_path / "kinds.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_key_value("t.u32", 7, GGUFValueType.UINT32)
+    w.add_key_value("t.f32", 0.5, GGUFValueType.FLOAT32)
+    w.add_key_value("t.bool", True, GGUFValueType.BOOL)
+    w.add_key_value("t.str", "héllo", GGUFValueType.STRING)
+    w.add_key_value("t.tokens", [f"tok{i}" for i in range(300)] + ["", "ü"], GGUFValueType.ARRAY,
+                    sub_type=GGUFValueType.STRING)
+    w.add_key_value("t.ids", list(range(50)), GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    rng = np.random.default_rng(0)
+    w.add_tensor("a.weight", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal(64).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref, fast = GGUFReader(str(path)), open_gguf(path)
+    assert list(fast.fields) == list(ref.fields)
+    assert all(fast.fields[k].contents() == ref.fields[k].contents() and fast.fields[k].types == ref.fields[k].types
+               for k in ref.fields)
+    assert fast.fields["t.tokens"].contents()[-1] == "ü"
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in ref.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, ref.tensors))

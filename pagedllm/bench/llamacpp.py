@@ -28,10 +28,12 @@ def f32_gguf(src: Path) -> Path:
     out = cache_dir() / f"{src.stem}-{gguf_cache_key(src)}.f32.gguf"
     if out.exists():
         return out
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(src))
+    from ..gguf_file import open_gguf
+
+    reader = open_gguf(src)
     arch = reader.fields["general.architecture"].contents()
     tmp = out.with_suffix(".tmp")
     writer = GGUFWriter(str(tmp), arch)

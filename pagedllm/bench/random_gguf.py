@@ -94,7 +94,9 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     """A llama-architecture GGUF at path: every linear in qtype unless `types` maps a tensor-name
     suffix (e.g. "attn_v.weight") to another; norms F32; token_embd in qtype (tied lm_head unless
     tie=False, then output.weight in qtype)."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+    from ..gguf_file import open_gguf
 
     rng = np.random.default_rng(seed)
     types = types or {}
@@ -111,7 +113,7 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     w.add_vocab_size(shape.vocab)
     w.add_file_type(_FTYPE.get(qtype, 0))
     if tokenizer_from is not None:
-        src = GGUFReader(str(tokenizer_from))
+        src = open_gguf(tokenizer_from)
         for name, field in src.fields.items():
             if name.startswith("tokenizer."):
                 sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
