@@ -122,8 +122,8 @@ def test_random_gguf_shapes_are_the_models() -> None:
 
 
 def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:  # noqa: ANN001
-    """gguf_file.open_gguf parses from a plain view of the map: the same fields (every value type, a string
-    array like a vocabulary) and the same tensors as gguf's own reader."""
+    """gguf_file.open_gguf parses from a plain view of the map, arrays in one loop: the same fields (every value
+    type, string and number arrays like a vocabulary's) and the same tensors as gguf's own reader."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     from pagedllm.gguf_file import open_gguf
@@ -149,6 +149,9 @@ def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:  # noqa: ANN00
     assert all(fast.fields[k].contents() == ref.fields[k].contents() and fast.fields[k].types == ref.fields[k].types
                for k in ref.fields)
     assert fast.fields["t.tokens"].contents()[-1] == "ü"
+    for k, f in ref.fields.items():  # down to the parts: arrays are read in one loop, not gguf's recursion
+        assert fast.fields[k].data == f.data and len(fast.fields[k].parts) == len(f.parts), k
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(fast.fields[k].parts, f.parts)), k
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in fast.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in ref.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, ref.tensors))
