@@ -369,27 +369,31 @@ def test_attention_without_avx512(ops_avx2) -> None:  # noqa: ANN001
                                                     (16, 4, 80, 8)])
 def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: int, bs: int) -> None:  # noqa: ANN001
     """Rows of sequences whose tables start with the same blocks (prefix caching): over a bf16 pool the op
-    attends those keys once for a slice of rows (shared_prefix_groups says which keys and rows), each row's
+    attends those keys once for a slice of rows (shared_prefix_groups says which keys and rows; two prefixes
+    that share only a first block are two groups), each row's
     own keys row by row, and the row's p rounded against its max over both, so the result is the
     rounded-q-and-p reference and, within fp32 sum order, the op on private copies of the same blocks."""
     g = torch.Generator().manual_seed(heads + d + bs)
     group = heads // kv_heads
     per_slice = 48 // group
     shared = 96 // bs  # blocks every member holds
-    # (q_len, ctx_len, shares the prefix): members (one with no keys of its own, one of 3 rows), a sequence
-    # with blocks of its own, and one too short to group
-    seqs = [(1, shared * bs, True), (3, shared * bs + 20, True)]
-    seqs += [(1, shared * bs + 1 + int(torch.randint(0, 60, (1,), generator=g)), True)
+    # (q_len, ctx_len, prefix set): members of set 1 (one with no keys of its own, one of 3 rows); set 2, whose
+    # prefix begins with set 1's first block only (two system prompts that begin alike: two groups); a sequence with
+    # blocks of its own, and one too short to group
+    seqs = [(1, shared * bs, 1), (3, shared * bs + 20, 1)]
+    seqs += [(1, shared * bs + 1 + int(torch.randint(0, 60, (1,), generator=g)), 1)
              for _ in range(per_slice + per_slice // 2 - 3)]
-    seqs += [(1, 150, False), (1, 40, False)]
-    nb = shared * (len(seqs) + 1) + sum(-(-c // bs) for _, c, _ in seqs)  # the prefix, its copies, own blocks
+    seqs += [(1, shared * bs + 1 + int(torch.randint(0, 30, (1,), generator=g)), 2) for _ in range(per_slice)]
+    seqs += [(1, 150, 0), (1, 40, 0)]
+    nb = shared * (len(seqs) + 2) + sum(-(-c // bs) for _, c, _ in seqs)  # the prefixes, their copies, own blocks
     perm = torch.randperm(nb, generator=g).tolist()
-    prefix, free = perm[:shared], iter(perm[shared:])
+    prefix, free = {1: perm[:shared]}, iter(perm[shared:])
+    prefix[2] = prefix[1][:1] + [next(free) for _ in range(shared - 1)]
     tables = []
     for _, c, member in seqs:
         n_blocks = -(-c // bs)
         own = [next(free) for _ in range(n_blocks - (shared if member else 0))]
-        tables.append((prefix if member else []) + own)
+        tables.append((prefix[member] if member else []) + own)
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q_len, ctx = torch.tensor([n for n, _, _ in seqs]), torch.tensor([c for _, c, _ in seqs])
@@ -398,8 +402,9 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     k_pool = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
     v_pool = torch.randn(nb, bs, kv_heads, d, generator=g).bfloat16()
     q = torch.randn(int(q_len.sum()), heads, d, generator=g)
-    member_rows = [r for r in range(len(q)) if seqs[int(row_seq[r])][2]]
-    assert ops.shared_prefix_groups(bt, row_seq, q_start, q_len, ctx, bs, group) == [((shared * bs) & ~1, member_rows)]
+    rows_of = {m: [r for r in range(len(q)) if seqs[int(row_seq[r])][2] == m] for m in (1, 2)}
+    expect = sorted(((shared * bs) & ~1, rows_of[m]) for m in (1, 2))
+    assert sorted(ops.shared_prefix_groups(bt, row_seq, q_start, q_len, ctx, bs, group)) == expect
     out = torch.zeros_like(q)
     ops.paged_attention(out, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, 0, None, None, None)
     # the same keys in private blocks: no groups, every row on its own
@@ -408,7 +413,7 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     for s, (_, _, member) in enumerate(seqs):
         if member:
             private[s, :shared] = copies[s]
-            k_pool[copies[s]], v_pool[copies[s]] = k_pool[prefix], v_pool[prefix]
+            k_pool[copies[s]], v_pool[copies[s]] = k_pool[prefix[member]], v_pool[prefix[member]]
     assert ops.shared_prefix_groups(private, row_seq, q_start, q_len, ctx, bs, group) == []
     alone = torch.zeros_like(q)
     ops.paged_attention(alone, q, k_pool, v_pool, private, row_seq, q_start, q_len, ctx, d ** -0.5, 0, None, None, None)

@@ -411,46 +411,59 @@ constexpr int64_t kMinShared = 64;  // keys; fewer are not worth a gather
 // rows of a slice: their lanes (row, query head of the KV head) fill the chunk kernel's 48
 inline int64_t slice_rows(int64_t G) { return std::max<int64_t>(1, 48 / G); }
 
-// The groups of the T rows: sequences grouped by their first block, P = the keys every member's rows
-// attend in blocks the leader also holds (even), at least kMinShared and two sequences. A group keeps its
-// whole slices and a last one at least half full (its exps run over all 48 lanes); the rest go row by row.
+// The groups of the T rows. Sequences in the lexicographic order of their block tables (the blocks holding keys
+// all their rows attend), so those sharing the most blocks are neighbours; a run of neighbours is a group whose P
+// is the keys every member attends in blocks all of them hold (even, at least kMinShared). A neighbour joins
+// unless that would leave under kMinShared or halve the P of a run of two or more (two system prompts that only
+// begin alike form two groups, not one over their common first block). A group needs two sequences; it keeps its
+// whole slices of rows_per rows and a last one at least half full (its exps run over all 48 lanes); the other
+// rows go row by row.
 std::vector<PrefixGroup> prefix_groups(int64_t T, const int64_t* rs, const int64_t* qs, const int64_t* ql,
                                        const int64_t* cl, const int64_t* bt, int64_t MAXB, int64_t BS, int64_t G) {
   const int64_t rows_per = slice_rows(G), min_rows = (rows_per + 1) / 2;
   if (G > 48) return {};
-  std::vector<int64_t> first_row;  // sequences in order of first appearance
+  auto hi_min = [&](int64_t s) { return cl[s] - ql[s] + 1; };  // keys every row of s attends
+  auto blocks = [&](int64_t s) { return (hi_min(s) + BS - 1) / BS; };
+  std::vector<int64_t> seqs;  // in order of first appearance
   std::unordered_map<int64_t, int64_t> seen;
   for (int64_t r = 0; r < T; ++r)
-    if (seen.emplace(rs[r], 0).second) first_row.push_back(rs[r]);
-  std::unordered_map<int64_t, size_t> by_block;  // first block id -> group
-  std::vector<PrefixGroup> groups;
-  std::vector<int64_t> leader, members;
-  for (const int64_t s : first_row) {
-    const int64_t hi_min = cl[s] - ql[s] + 1;
-    if (hi_min < kMinShared) continue;
-    const auto [it, fresh] = by_block.emplace(bt[s * MAXB], groups.size());
-    if (fresh) {
-      groups.push_back(PrefixGroup{bt + s * MAXB, hi_min, {}});
-      leader.push_back(s);
-      members.push_back(0);
+    if (seen.emplace(rs[r], 0).second && hi_min(rs[r]) >= kMinShared) seqs.push_back(rs[r]);
+  std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t a, int64_t b) {
+    return std::lexicographical_compare(bt + a * MAXB, bt + a * MAXB + blocks(a), bt + b * MAXB, bt + b * MAXB + blocks(b));
+  });
+  auto lcp = [&](int64_t a, int64_t b) {
+    int64_t k = 0;
+    for (const int64_t n = std::min(blocks(a), blocks(b)); k < n && bt[a * MAXB + k] == bt[b * MAXB + k];) ++k;
+    return k;
+  };
+  std::vector<PrefixGroup> runs;
+  std::vector<std::vector<int64_t>> members;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const int64_t s = seqs[i];
+    if (!runs.empty()) {
+      PrefixGroup& run = runs.back();
+      const int64_t p = std::min({run.P, hi_min(s), lcp(seqs[i - 1], s) * BS});
+      if (p >= kMinShared && (members.back().size() < 2 || 2 * p >= run.P)) {
+        run.P = p;
+        members.back().push_back(s);
+        continue;
+      }
     }
-    PrefixGroup& g = groups[it->second];
-    const int64_t* lead = bt + leader[it->second] * MAXB;
-    int64_t lcp = 0;
-    const int64_t nb = std::min((hi_min + BS - 1) / BS, (g.P + BS - 1) / BS);
-    while (lcp < nb && bt[s * MAXB + lcp] == lead[lcp]) ++lcp;
-    g.P = std::min({g.P, hi_min, lcp * BS});
-    members[it->second] += 1;
+    runs.push_back(PrefixGroup{bt + s * MAXB, hi_min(s), {}});
+    members.push_back({s});
   }
-  for (size_t i = 0; i < groups.size(); ++i) groups[i].P &= ~int64_t{1};
+  std::unordered_map<int64_t, size_t> group_of;  // sequence -> run with two or more sequences
+  for (size_t g = 0; g < runs.size(); ++g) {
+    runs[g].P &= ~int64_t{1};
+    if (members[g].size() >= 2 && runs[g].P >= kMinShared)
+      for (const int64_t s : members[g]) group_of.emplace(s, g);
+  }
   for (int64_t r = 0; r < T; ++r) {
-    const int64_t s = rs[r];
-    if (cl[s] - ql[s] + 1 < kMinShared) continue;
-    const size_t gi = by_block.at(bt[s * MAXB]);
-    if (members[gi] >= 2 && groups[gi].P >= kMinShared) groups[gi].rows.push_back(r);
+    const auto it = group_of.find(rs[r]);
+    if (it != group_of.end()) runs[it->second].rows.push_back(r);
   }
   std::vector<PrefixGroup> kept;
-  for (PrefixGroup& g : groups) {
+  for (PrefixGroup& g : runs) {
     const int64_t n = static_cast<int64_t>(g.rows.size());
     const int64_t whole = n / rows_per * rows_per, keep = n - whole >= min_rows ? n : whole;
     g.rows.resize(keep);
