@@ -404,7 +404,7 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     q = torch.randn(int(q_len.sum()), heads, d, generator=g)
     rows_of = {m: [r for r in range(len(q)) if seqs[int(row_seq[r])][2] == m] for m in (1, 2)}
     expect = sorted(((shared * bs) & ~1, rows_of[m]) for m in (1, 2))
-    assert sorted(ops.shared_prefix_groups(bt, row_seq, q_start, q_len, ctx, bs, group)) == expect
+    assert sorted(ops.shared_prefix_groups(bt, row_seq, q_len, ctx, bs, group)) == expect
     out = torch.zeros_like(q)
     ops.paged_attention(out, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, 0, None, None, None)
     # the same keys in private blocks: no groups, every row on its own
@@ -414,7 +414,7 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
         if member:
             private[s, :shared] = copies[s]
             k_pool[copies[s]], v_pool[copies[s]] = k_pool[prefix[member]], v_pool[prefix[member]]
-    assert ops.shared_prefix_groups(private, row_seq, q_start, q_len, ctx, bs, group) == []
+    assert ops.shared_prefix_groups(private, row_seq, q_len, ctx, bs, group) == []
     alone = torch.zeros_like(q)
     ops.paged_attention(alone, q, k_pool, v_pool, private, row_seq, q_start, q_len, ctx, d ** -0.5, 0, None, None, None)
     refs = []

@@ -30,9 +30,9 @@ for s in range(nseq):
     k_pool[copy], v_pool[copy] = k_pool[prefix], v_pool[prefix]
 q_len, q_start, ctx_len, row_seq = torch.ones(nseq, dtype=torch.long), torch.arange(nseq), torch.tensor(ctx), torch.arange(nseq)
 q = torch.randn(nseq, heads, d, generator=g)
-groups = ops.shared_prefix_groups(grouped, row_seq, q_start, q_len, ctx_len, bs, heads // kv_heads)
+groups = ops.shared_prefix_groups(grouped, row_seq, q_len, ctx_len, bs, heads // kv_heads)
 print(f"groups: {[(p, len(rows)) for p, rows in groups]} (shared keys, rows); private tables: "
-      f"{ops.shared_prefix_groups(private, row_seq, q_start, q_len, ctx_len, bs, heads // kv_heads)}")
+      f"{ops.shared_prefix_groups(private, row_seq, q_len, ctx_len, bs, heads // kv_heads)}")
 outs = {}
 
 

@@ -51,6 +51,7 @@
 #include <limits>
 #include <type_traits>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -418,16 +419,16 @@ inline int64_t slice_rows(int64_t G) { return std::max<int64_t>(1, 48 / G); }
 // begin alike form two groups, not one over their common first block). A group needs two sequences; it keeps its
 // whole slices of rows_per rows and a last one at least half full (its exps run over all 48 lanes); the other
 // rows go row by row.
-std::vector<PrefixGroup> prefix_groups(int64_t T, const int64_t* rs, const int64_t* qs, const int64_t* ql,
-                                       const int64_t* cl, const int64_t* bt, int64_t MAXB, int64_t BS, int64_t G) {
+std::vector<PrefixGroup> prefix_groups(int64_t T, const int64_t* rs, const int64_t* ql, const int64_t* cl,
+                                       const int64_t* bt, int64_t MAXB, int64_t BS, int64_t G) {
   const int64_t rows_per = slice_rows(G), min_rows = (rows_per + 1) / 2;
   if (G > 48) return {};
   auto hi_min = [&](int64_t s) { return cl[s] - ql[s] + 1; };  // keys every row of s attends
   auto blocks = [&](int64_t s) { return (hi_min(s) + BS - 1) / BS; };
   std::vector<int64_t> seqs;  // in order of first appearance
-  std::unordered_map<int64_t, int64_t> seen;
+  std::unordered_set<int64_t> seen;
   for (int64_t r = 0; r < T; ++r)
-    if (seen.emplace(rs[r], 0).second && hi_min(rs[r]) >= kMinShared) seqs.push_back(rs[r]);
+    if (seen.insert(rs[r]).second && hi_min(rs[r]) >= kMinShared) seqs.push_back(rs[r]);
   std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t a, int64_t b) {
     return std::lexicographical_compare(bt + a * MAXB, bt + a * MAXB + blocks(a), bt + b * MAXB, bt + b * MAXB + blocks(b));
   });
@@ -475,11 +476,11 @@ std::vector<PrefixGroup> prefix_groups(int64_t T, const int64_t* rs, const int64
 // The rows of a step with at least as many rows as threads: the groups' slices (their shared keys once,
 // then each row's own keys) and the other rows one by one, from one counter, slices first
 template <class Keys>
-void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t rows_per, int64_t T, int64_t H, int64_t KVH,
-                    int64_t D, const Pool& K, const Pool& V, int64_t BS, float scale, const torch::Tensor& k_cache,
+void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                    const Pool& K, const Pool& V, int64_t BS, float scale, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const torch::Tensor& q, float* op, Keys&& keys, ItemFn fn) {
   const float* qp = q.data_ptr<float>();
-  const int64_t q_stride = q.stride(0), G = H / KVH, NG = static_cast<int64_t>(groups.size());
+  const int64_t q_stride = q.stride(0), G = H / KVH, rows_per = slice_rows(G), NG = static_cast<int64_t>(groups.size());
   std::vector<int64_t> key_off(NG * KVH + 1, 0);
   int64_t max_p = 0;
   for (int64_t i = 0; i < NG * KVH; ++i) {
@@ -623,10 +624,9 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   const int64_t threads = at::get_num_threads();
   if (T >= threads) {
     // bf16 pools: the shared keys in the chunk kernel's math, which rounds as this pool's decode op does
-    const int64_t G = H / KVH, rows_per = slice_rows(G);
     std::vector<PrefixGroup> groups;
-    if (dtype == 1 && window == 0 && D % 8 == 0) groups = prefix_groups(T, rs, qs, ql, cl, bt, MAXB, BS, G);
-    attend_grouped(groups, rows_per, T, H, KVH, D, K, V, BS, fscale, k_cache, v_cache, q, op, keys, fn);
+    if (dtype == 1 && window == 0 && D % 8 == 0) groups = prefix_groups(T, rs, ql, cl, bt, MAXB, BS, H / KVH);
+    attend_grouped(groups, T, H, KVH, D, K, V, BS, fscale, k_cache, v_cache, q, op, keys, fn);
     return;
   }
   // Fewer rows than threads (one stream decoding): each row's keys in ranges of at least 128, one item
@@ -789,13 +789,13 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 }
 
 std::vector<std::tuple<int64_t, std::vector<int64_t>>> shared_prefix_groups(
-    torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
-    torch::Tensor ctx_len, int64_t block_size, int64_t heads_per_kv) {
+    torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_len, torch::Tensor ctx_len,
+    int64_t block_size, int64_t heads_per_kv) {
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && block_tables.scalar_type() == torch::kInt64,
               "shared_prefix_groups: block_tables must be contiguous int64 [S, MAXB]");
   TORCH_CHECK(heads_per_kv >= 1 && block_size >= 1, "shared_prefix_groups: bad geometry");
-  const auto groups = prefix_groups(row_seq.numel(), row_seq.data_ptr<int64_t>(), q_start.data_ptr<int64_t>(),
-                                    q_len.data_ptr<int64_t>(), ctx_len.data_ptr<int64_t>(),
+  const auto groups = prefix_groups(row_seq.numel(), row_seq.data_ptr<int64_t>(), q_len.data_ptr<int64_t>(),
+                                    ctx_len.data_ptr<int64_t>(),
                                     block_tables.data_ptr<int64_t>(), block_tables.size(1), block_size, heads_per_kv);
   std::vector<std::tuple<int64_t, std::vector<int64_t>>> out;
   for (const auto& g : groups) out.emplace_back(g.P, g.rows);

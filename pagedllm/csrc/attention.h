@@ -60,5 +60,5 @@ void attend_shared(const SharedKeys& sk, int64_t kh, const int64_t* rows, int64_
 // The groups paged_attention forms over a bf16 pool (rows whose sequences share leading blocks): per group
 // (P, its rows), P = the keys attended once for all of them; heads_per_kv = H / KVH
 std::vector<std::tuple<int64_t, std::vector<int64_t>>> shared_prefix_groups(
-    torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
-    torch::Tensor ctx_len, int64_t block_size, int64_t heads_per_kv);
+    torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_len, torch::Tensor ctx_len,
+    int64_t block_size, int64_t heads_per_kv);

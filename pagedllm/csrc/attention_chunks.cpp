@@ -62,6 +62,15 @@ struct Work {
   float *sbuf, *ot;
 };
 
+inline int64_t work_floats(int64_t keys, int64_t D) { return (D / 2) * NL + (keys + 2 * kPad) * NL + D * NL; }
+
+inline Work work_at(float* base, int64_t keys, int64_t D) {
+  return Work{reinterpret_cast<uint32_t*>(base), base + (D / 2) * NL, base + (D / 2) * NL + (keys + 2 * kPad) * NL};
+}
+
+// V key pairs per gathered row of ctx keys: its (ctx + 1) / 2 pairs, then kPad / 2 zero pairs
+inline int64_t v_ld(int64_t ctx) { return (ctx + 1) / 2 + kPad / 2; }
+
 // out [n, 48] (48 floats apart) = n rows of x pairs (ldx apart) . panel [K2, 48, 2]. On AMX tiles (where
 // built, granted and K2 is whole tiles) in 16- and 32-row tiles: rows past n are read (the callers pad them
 // with zeros) and written (out has room for them); else bf16::tile, KT rows a call.
@@ -228,7 +237,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
     const int64_t ctx = cl[i / KVH];
     TORCH_CHECK(ql[i / KVH] >= 1 && ql[i / KVH] <= ctx && ctx <= MAXB * BS, "attend_chunks: bad chunk lengths");
     koff[i + 1] = koff[i] + (ctx + kPad) * D;
-    voff[i + 1] = voff[i] + D * ((ctx + 1) / 2 + kPad / 2);
+    voff[i + 1] = voff[i] + D * v_ld(ctx);
   }
   const int64_t rows_per = NL / G;
   std::vector<Item> items;
@@ -243,8 +252,8 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
   // one buffer (the caller's, grown here and kept for the step's other layers: no page faults per call)
-  const int64_t work_floats = (D / 2) * NL + (max_keys + 2 * kPad) * NL + D * NL;
-  const int64_t need = (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64 + workers * work_floats * 4;
+  const int64_t per_worker = work_floats(max_keys, D);
+  const int64_t need = (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64 + workers * per_worker * 4;
   TORCH_CHECK(scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous(), "attend_chunks: scratch must be uint8");
   if (scratch.numel() < need) scratch.resize_({need});
   uint8_t* base = scratch.data_ptr<uint8_t>();
@@ -255,7 +264,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = (ctx + 1) / 2 + kPad / 2;
+      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = v_ld(ctx);
       uint16_t* kd = kbuf + koff[i];
       uint32_t* vd = vbuf + voff[i];
       gather(kpool, vpool, bt + s * MAXB, BS, row, kh, D, ctx, kd, vd, ldv);
@@ -267,8 +276,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, workers, 1, [&](int64_t wid, int64_t) {
-    float* mine = work + wid * work_floats;
-    const Work w{reinterpret_cast<uint32_t*>(mine), mine + (D / 2) * NL, mine + (D / 2) * NL + (max_keys + 2 * kPad) * NL};
+    const Work w = work_at(work + wid * per_worker, max_keys, D);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
       attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, w);
@@ -279,13 +287,13 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
 // Keys shared by the rows of several sequences (attention.cpp groups decode rows by shared prefix blocks):
 // the same item math with lanes from any rows and every lane over all P keys, the lane's max taken with the
 // max over its other keys (floor), so that its p are rounded against the row's max as everywhere else.
-int64_t shared_keys_bytes(int64_t P, int64_t D) { return ((P + kPad) * D * 2 + D * (P / 2 + kPad / 2) * 4 + 63) / 64 * 64; }
+int64_t shared_keys_bytes(int64_t P, int64_t D) { return ((P + kPad) * D * 2 + D * v_ld(P) * 4 + 63) / 64 * 64; }
 
-int64_t shared_work_floats(int64_t P, int64_t D) { return (D / 2) * NL + (P + 2 * kPad) * NL + D * NL; }
+int64_t shared_work_floats(int64_t P, int64_t D) { return work_floats(P, D); }
 
 SharedKeys gather_shared_keys(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* table,
                               int64_t kh, int64_t P, void* buf) {
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), ldv = P / 2 + kPad / 2;
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), ldv = v_ld(P);
   uint16_t* kd = static_cast<uint16_t*>(buf);
   uint32_t* vd = reinterpret_cast<uint32_t*>(kd + (P + kPad) * D);
   gather(reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
@@ -298,7 +306,7 @@ void attend_shared(const SharedKeys& sk, int64_t kh, const int64_t* rows, int64_
                    float* work) {
   TORCH_CHECK(n * G <= NL && sk.P % 2 == 0, "attend_shared: at most 48 lanes over whole key pairs");
   const Chunk c{nullptr, 0, 0, sk.P, sk.k, sk.v, sk.ldv};
-  const Work w{reinterpret_cast<uint32_t*>(work), work + (D / 2) * NL, work + (D / 2) * NL + (sk.P + 2 * kPad) * NL};
+  const Work w = work_at(work, sk.P, D);
   const int64_t lanes = n * G;
   alignas(64) int32_t lo[NL] = {}, hi[NL];
   alignas(64) float fl[NL], lmx[NL], lsum[NL];
