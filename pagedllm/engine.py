@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .allocator import keep_freed_memory
 from .block_manager import BlockManager
 from .config import EngineConfig, parse_size
 from .errors import ConfigError, InvalidRequestError
@@ -91,6 +92,7 @@ def available_memory_bytes() -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        keep_freed_memory()  # before the first step's activations: they are then reused, not re-faulted
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()

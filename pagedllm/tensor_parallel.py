@@ -179,9 +179,11 @@ def _broadcast(obj: Any) -> Any:
 
 def run_worker(rank: int, world: int, init_method: str, config: Any, started: Any = None) -> None:
     """A rank > 0: load its shard, then run whatever the driver broadcasts until it says stop."""
+    from .allocator import keep_freed_memory
     from .loader import load_model
     from .model_runner import ModelRunner
 
+    keep_freed_memory()
     torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or world) // world))
     if started is not None:
         started.set()  # imported and about to join: the driver may wait in the rendezvous now
