@@ -176,3 +176,22 @@ def test_throughput_says_when_the_baseline_reads_other_weights(llama_dir, quanti
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert ("pass --quantization none to compare the same weights" in r.stderr) == warned, r.stderr
+
+
+def test_vllm_gets_the_preloads_its_cpu_guide_asks_for(tmp_path) -> None:  # noqa: ANN001
+    import platform
+
+    from pagedllm.bench.throughput import vllm_preload
+
+    venv = tmp_path / "venv"
+    libs = venv / "lib/python3.11/site-packages/vllm/libs"
+    libs.mkdir(parents=True)
+    (venv / "bin").mkdir()
+    (venv / "bin/python").touch()
+    assert all("/venv/" not in p for p in vllm_preload(str(venv / "bin/python")))  # nothing in the venv yet
+    (libs / "libtcmalloc_minimal.so.4").touch()
+    (venv / "lib/libiomp5.so").touch()
+    want = [str(libs / "libtcmalloc_minimal.so.4")]
+    if platform.machine() == "x86_64":
+        want.append(str(venv / "lib/libiomp5.so"))
+    assert vllm_preload(str(venv / "bin/python")) == want

@@ -62,6 +62,24 @@ def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True)
                       token_ids=[token_ids[f"bench-{i}"] for i in range(len(work))])
 
 
+def vllm_preload(python: str) -> list[str]:
+    """What vLLM's CPU install guide has LD_PRELOAD (its "set LD_PRELOAD" step): TCMalloc (Debian's
+    libtcmalloc-minimal4, or one bundled in vllm/libs) and, on x86, the Intel OpenMP runtime its wheel installs
+    into the venv; those found, tcmalloc first. vLLM's worker warns when tcmalloc is missing."""
+    import glob
+    import platform
+    from pathlib import Path
+
+    venv = Path(python).absolute().parent.parent if Path(python).parent.name == "bin" else None
+    found = []
+    tcmalloc = sorted(glob.glob(str(venv / "lib/python3*/site-packages/vllm/libs/libtcmalloc*.so*"))) if venv else []
+    tcmalloc += [p for p in (f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4",) if Path(p).exists()]
+    found += tcmalloc[:1]
+    if platform.machine() == "x86_64" and venv is not None and (venv / "lib/libiomp5.so").exists():
+        found.append(str(venv / "lib/libiomp5.so"))
+    return found
+
+
 def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int, dtype: str = "bfloat16") -> dict:
     """vLLM's offline LLM.generate on the same weights and requests, in its own interpreter (vLLM
     pins its own dependencies); see vllm_runner.py. Its best documented CPU configuration: every
@@ -76,6 +94,9 @@ def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int, 
 
     bind = f"0-{(os.cpu_count() or 1) - 1}"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)}
+    preload = vllm_preload(python)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p])
 
     with tempfile.TemporaryDirectory() as tmp:
         jsonl = Path(tmp) / "work.jsonl"
@@ -89,6 +110,7 @@ def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int, 
             raise RuntimeError(f"the vllm baseline failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
         d = json.loads(result.read_text())
     name = f"vllm {'bf16' if dtype == 'bfloat16' else 'fp32'} bind {env['VLLM_CPU_OMP_THREADS_BIND']}"
+    name += "".join(f" +{Path(p).name.split('.')[0].removeprefix('lib')}" for p in preload)
     return result_row(name, work, d["wall_s"], d["output_tokens"],
                       resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, token_ids=d["token_ids"])
 
