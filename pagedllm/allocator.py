@@ -13,7 +13,6 @@ needs nothing preloaded, so freed activations are reused from the heap. The cost
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger("pagedllm")
@@ -29,9 +28,8 @@ TRIM_THRESHOLD = 1 << 30
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process; False where the C library is not glibc
     (musl, macOS: nothing to do, or nothing this knows how to do). Idempotent."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the symbols already in the process (find_library would spawn ldconfig)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018  (glibc only: others lack it)
     except (OSError, AttributeError, TypeError):

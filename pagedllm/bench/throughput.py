@@ -70,14 +70,11 @@ def vllm_preload(python: str) -> list[str]:
     import platform
     from pathlib import Path
 
-    venv = Path(python).absolute().parent.parent if Path(python).parent.name == "bin" else None
-    found = []
-    tcmalloc = sorted(glob.glob(str(venv / "lib/python3*/site-packages/vllm/libs/libtcmalloc*.so*"))) if venv else []
-    tcmalloc += [p for p in (f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4",) if Path(p).exists()]
-    found += tcmalloc[:1]
-    if platform.machine() == "x86_64" and venv is not None and (venv / "lib/libiomp5.so").exists():
-        found.append(str(venv / "lib/libiomp5.so"))
-    return found
+    venv = Path(python).absolute().parent.parent
+    tcmalloc = sorted(glob.glob(str(venv / "lib/python3*/site-packages/vllm/libs/libtcmalloc*.so*")))
+    tcmalloc += [p for p in [f"/usr/lib/{platform.machine()}-linux-gnu/libtcmalloc_minimal.so.4"] if Path(p).exists()]
+    iomp = venv / "lib/libiomp5.so"
+    return tcmalloc[:1] + ([str(iomp)] if platform.machine() == "x86_64" and iomp.exists() else [])
 
 
 def run_vllm(model_path: str, work: list[WorkItem], python: str, kv_bytes: int, dtype: str = "bfloat16") -> dict:
