@@ -73,6 +73,7 @@ class Ops:
     argmax_rows: object
     pack_bf16: object
     linear_bf16: object
+    linear_bf16_silu_mul: object
     linear_bf16_isa: str
     linear_ggml: object
     dequantize_ggml: object
@@ -159,7 +160,8 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
     name = "pagedllm_ops" + ("_" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
     mod = load_extension(name, _SOURCES, [*_FLAGS, *extra_flags], ops_build_dir(extra_flags))
     return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
-               mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16, mod.linear_bf16_isa(),
+               mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16,
+               mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
                mod.mask_rows_, mod.shared_prefix_groups)
 

@@ -28,6 +28,11 @@ class PackedWeight:
     def dequantize(self) -> Tensor:  # [O, K] fp32
         raise NotImplementedError
 
+    def matmul_silu_and_mul(self, x: Tensor, ops: Ops) -> Tensor:
+        """silu(gate) * up of this [gate | up] linear: x [M, K] fp32 -> [M, O / 2] fp32. A format whose kernel
+        can apply it to its own output tiles overrides this."""
+        return ops.silu_and_mul(self.matmul(x))
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -49,6 +54,12 @@ class DensePanels(PackedWeight):
         if self.data.dtype == torch.bfloat16:
             return self.ops.linear_bf16(x, self.data, self.bias, self.out_features)
         return self.ops.packed_linear(x, self.data, self.bias, self.out_features)
+
+    def matmul_silu_and_mul(self, x: Tensor, ops: Ops) -> Tensor:
+        # bf16 panels whose gate and up halves are whole panels: in one pass, the product never stored
+        if self.data.dtype == torch.bfloat16 and self.out_features % 96 == 0:
+            return self.ops.linear_bf16_silu_mul(x, self.data, self.bias, self.out_features)
+        return super().matmul_silu_and_mul(x, ops)
 
     def dequantize(self) -> Tensor:
         return unpack_weight(self.data, self.out_features)[:, :self.in_features].float()

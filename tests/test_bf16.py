@@ -32,6 +32,33 @@ def test_linear_bf16_is_a_bf16_matmul_with_fp32_sums(ops, rows, out_features, in
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 33, 130, 300])
+@pytest.mark.parametrize("in_features, intermediate", [(64, 48), (576, 96), (33, 144)])
+def test_gate_up_with_silu_in_one_pass_is_the_two_ops(ops, rows, in_features, intermediate):  # noqa: ANN001
+    """The fused MLP kernel writes exactly what linear_bf16 then silu_and_mul write: the same panels, the same
+    sums, the same silu; row blocks of 128 and their tails, with and without a bias."""
+    g = torch.Generator().manual_seed(rows + in_features)
+    x, w = torch.randn(rows, in_features, generator=g), torch.randn(2 * intermediate, in_features, generator=g) * 0.2
+    packed, out = ops.pack_bf16(w), 2 * intermediate
+    for b in (None, pad_bias(torch.randn(out, generator=g))):
+        fused = ops.linear_bf16_silu_mul(x, packed, b, out)
+        assert fused.shape == (rows, intermediate)
+        assert torch.equal(fused, ops.silu_and_mul(ops.linear_bf16(x, packed, b, out)))
+
+
+def test_gate_up_whose_halves_are_not_whole_panels(ops):  # noqa: ANN001
+    """An intermediate size that is not a multiple of 48 cannot pair gate and up panels: the kernel refuses it
+    and DensePanels takes the two-op path."""
+    from pagedllm.weight_formats import DensePanels
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 64, generator=g), torch.randn(2 * 40, 64, generator=g)
+    with pytest.raises(RuntimeError, match="whole panels"):
+        ops.linear_bf16_silu_mul(x, ops.pack_bf16(w), None, 80)
+    dense = DensePanels(ops, w, None, torch.bfloat16)
+    assert torch.equal(dense.matmul_silu_and_mul(x, ops), ops.silu_and_mul(dense.matmul(x)))
+
+
 @pytest.mark.parametrize("in_features", [7, 16, 33, 576])
 def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):  # noqa: ANN001
     """Through an identity weight y is the activations' bf16 exactly: round to nearest even on ties, values

@@ -29,13 +29,16 @@ def timed(f, name=None, key=None):  # noqa: ANN001, ANN201
     return run
 
 
-def rows(_w, x) -> str:  # noqa: ANN001
+def rows(_w, x, *_) -> str:  # noqa: ANN001, ANN002
     m = x.shape[0]
     return "linears, 512+ rows" if m >= 512 else "linears, 16-511 rows" if m >= 16 else "linears, < 16 rows"
 
 
 weight_formats.GGMLWeight.matmul = timed(weight_formats.GGMLWeight.matmul, key=rows)
 weight_formats.DensePanels.matmul = timed(weight_formats.DensePanels.matmul, key=rows)
+# the bf16 gate_up with silu in one pass (an intermediate size of whole panels, as SmolLM2's): counted in its
+# row bucket, silu included; where it falls back to matmul + silu_and_mul its matmul would count twice
+weight_formats.DensePanels.matmul_silu_and_mul = timed(weight_formats.DensePanels.matmul_silu_and_mul, key=rows)
 attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
 
 

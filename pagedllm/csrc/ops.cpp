@@ -14,6 +14,7 @@
 #include "linear_ggml.h"
 #include "mask_rows.h"
 #include "row_tiles.h"
+#include "vec16.h"
 
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -96,9 +97,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* g = gp + m * 2 * I;
-      const float* u = g + I;
-      float* o = op + m * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      vec::silu_mul(g, g + I, op + m * I, I);
     }
   });
   return out;
@@ -173,6 +172,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)");
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
+  m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "silu(gate) * up of x @ [gate | up].T (+ b), w packed by "
+        "pack_bf16 with O / 2 a multiple of 48; [M, O / 2] fp32 (CPU)");
   m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");
   m.def("linear_ggml", &linear_ggml, "x @ w.T (+ b), w in a ggml block format as GGUF stores it, x and y fp32 (CPU)");
   m.def("dequantize_ggml", &dequantize_ggml, "rows of a ggml block format (or repacked) -> fp32 [rows or ids, K]");
