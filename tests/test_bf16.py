@@ -59,6 +59,20 @@ def test_gate_up_whose_halves_are_not_whole_panels(ops):  # noqa: ANN001
     assert torch.equal(dense.matmul_silu_and_mul(x, ops), ops.silu_and_mul(dense.matmul(x)))
 
 
+def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):  # noqa: ANN001
+    """DensePanels runs the fused kernel from FUSED_SILU_MIN_ROWS rows and the two ops under: a row's result
+    must not depend on which (greedy tokens would change with the batch)."""
+    from pagedllm.weight_formats import FUSED_SILU_MIN_ROWS, DensePanels
+
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(2 * 96, 64, generator=g), torch.randn(FUSED_SILU_MIN_ROWS + 3, 64, generator=g)
+    dense = DensePanels(ops, w, None, torch.bfloat16)
+    together = dense.matmul_silu_and_mul(x, ops)
+    assert torch.equal(together, ops.linear_bf16_silu_mul(x, dense.data, None, 2 * 96))
+    for i in range(x.shape[0]):
+        assert torch.equal(dense.matmul_silu_and_mul(x[i:i + 1], ops), together[i:i + 1])
+
+
 @pytest.mark.parametrize("in_features", [7, 16, 33, 576])
 def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):  # noqa: ANN001
     """Through an identity weight y is the activations' bf16 exactly: round to nearest even on ties, values
