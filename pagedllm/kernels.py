@@ -67,7 +67,6 @@ class Ops:
     attention_qkv: object
     attend_chunks: object
     packed_linear: object
-    packed_linear_silu_mul: object
     silu_and_mul: object
     rms_norm: object
     rope_: object
@@ -160,8 +159,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
     -mno-avx512f -mno-avxvnni -mno-amx-tile: an AVX2-only Zen 3); each set of flags is its own module and build."""
     name = "pagedllm_ops" + ("_" + hashlib.sha256(" ".join(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
     mod = load_extension(name, _SOURCES, [*_FLAGS, *extra_flags], ops_build_dir(extra_flags))
-    return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear,
-               mod.packed_linear_silu_mul, mod.silu_and_mul,
+    return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
                mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16,
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,

@@ -42,7 +42,7 @@ class PackedWeight:
         raise NotImplementedError
 
 
-FUSED_SILU_MIN_ROWS = 64
+FUSED_SILU_MIN_ROWS = 16
 
 
 class DensePanels(PackedWeight):
@@ -59,15 +59,13 @@ class DensePanels(PackedWeight):
         return self.ops.packed_linear(x, self.data, self.bias, self.out_features)
 
     def matmul_silu_and_mul(self, x: Tensor, ops: Ops) -> Tensor:
-        # panels whose gate and up halves are whole panels: in one pass, the product never stored. Under
+        # bf16 panels whose gate and up halves are whole panels: in one pass, the product never stored. Under
         # FUSED_SILU_MIN_ROWS the product fits in L2 anyway, and the fused kernel's two weight streams a thread
-        # (gate and up panels) cost more than they save (Zen 5, 576 -> 2 x 1536 weights from memory, unfused vs
-        # fused a layer: bf16 1 row 95 vs 112 us, 16 rows 165 vs 159, 64 rows 345 vs 338, 512 rows 2472 vs 2349;
-        # fp32 16 rows 390 vs 424, 64 rows 1012 vs 1012, 512 rows 6934 vs 6099). The results are the same bits.
-        if self.out_features % 96 or x.shape[0] < FUSED_SILU_MIN_ROWS:
-            return super().matmul_silu_and_mul(x, ops)
-        fused = self.ops.linear_bf16_silu_mul if self.data.dtype == torch.bfloat16 else self.ops.packed_linear_silu_mul
-        return fused(x, self.data, self.bias, self.out_features)
+        # (gate and up panels) cost more than they save (Zen 5, 30 layers' 576 -> 2 x 1536 from memory: 1 row
+        # 95 vs 112 us, 8 rows 135 vs 140, 16 rows 165 vs 159, 512 rows 2472 vs 2349). The results are the same bits.
+        if self.data.dtype == torch.bfloat16 and self.out_features % 96 == 0 and x.shape[0] >= FUSED_SILU_MIN_ROWS:
+            return self.ops.linear_bf16_silu_mul(x, self.data, self.bias, self.out_features)
+        return super().matmul_silu_and_mul(x, ops)
 
     def dequantize(self) -> Tensor:
         return unpack_weight(self.data, self.out_features)[:, :self.in_features].float()

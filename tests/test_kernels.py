@@ -59,19 +59,6 @@ def test_packed_linear(ops, rows, out_features):  # noqa: ANN001
     torch.testing.assert_close(ops.packed_linear(x, packed, None, out_features), F.linear(x, w))
 
 
-@pytest.mark.parametrize("rows", [1, 13, 128, 300])
-def test_packed_linear_with_silu_in_one_pass_is_the_two_ops(ops, rows):  # noqa: ANN001
-    """The fp32 fused MLP kernel: the same bits as packed_linear then silu_and_mul, row blocks of 128 and their
-    tails, with and without bias; a size that is not whole panels is refused."""
-    g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 40, generator=g), torch.randn(2 * 96, 40, generator=g)
-    packed = pack_weight(w)
-    for b in (None, pad_bias(torch.randn(2 * 96, generator=g))):
-        assert torch.equal(ops.packed_linear_silu_mul(x, packed, b, 192), ops.silu_and_mul(ops.packed_linear(x, packed, b, 192)))
-    with pytest.raises(RuntimeError, match="whole panels"):
-        ops.packed_linear_silu_mul(x, pack_weight(w[:80]), None, 80)
-
-
 def test_rms_norm_with_and_without_residual(ops):  # noqa: ANN001
     g = torch.Generator().manual_seed(0)
     x, res, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40, generator=g)

@@ -60,14 +60,6 @@ static inline void linear_tile(const float* x, int64_t K, const float* panel, co
   }
 }
 
-// Rows [m_lo, m_hi) of x [., K] through one panel: y points at the panel's first column of row 0, rows O apart
-static void panel_rows(const float* xp, int64_t m_lo, int64_t m_hi, int64_t K, const float* panel, const float* bias,
-                       float* y, int64_t O, int64_t cols) {
-  for_row_tiles(m_lo, m_hi, [&](int64_t m, auto R) {
-    linear_tile<decltype(R)::value>(xp + m * K, K, panel, bias, y + m * O, O, cols);
-  });
-}
-
 // y [M, O] = x [M, K] w^T + b, with w packed [P, K, 48] and b padded to P * 48. One task = one panel.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == NR && x.size(1) == w.size(1) && w.is_contiguous(),
@@ -82,39 +74,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
   float* op = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t c0 = p * NR;
-      panel_rows(xp, 0, M, K, wp + p * K * NR, bp ? bp + p * NR : nullptr, op + c0, O, std::min(NR, O - c0));
-    }
-  });
-  return out;
-}
-
-// packed_linear of the MLP's [gate | up] weight and silu(gate) * up in one pass (linear_bf16_silu_mul's plan for
-// fp32 panels): gate panel j and up panel j + P / 2 for a block of rows into two buffers, only the activation
-// written; [M, O / 2], O / 2 a multiple of 48.
-torch::Tensor packed_linear_silu_mul(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == NR && x.size(1) == w.size(1) && w.is_contiguous(),
-              "packed_linear_silu_mul: expects x [M, K] and a packed weight [P, K, 48]");
-  TORCH_CHECK(O == w.size(0) * NR && w.size(0) % 2 == 0,
-              "packed_linear_silu_mul: the gate and up halves must be whole panels (O / 2 a multiple of 48)");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), half = w.size(0) / 2, I = O / 2;
-  constexpr int64_t MB = 128;  // rows a block: the two [MB, 48] buffers stay in L1 / L2
-  const int64_t nmb = (M + MB - 1) / MB;
-  auto out = torch::empty({M, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, half * nmb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(MB * NR), up(MB * NR);
-    for (int64_t item = begin; item < end; ++item) {  // panels outermost: a panel pair stays in L2 over its rows
-      const int64_t j = item / nmb, m_lo = (item % nmb) * MB, n = std::min(MB, M - m_lo);
-      panel_rows(xp + m_lo * K, 0, n, K, wp + j * K * NR, bp ? bp + j * NR : nullptr, gate.data(), NR, NR);
-      panel_rows(xp + m_lo * K, 0, n, K, wp + (j + half) * K * NR, bp ? bp + (j + half) * NR : nullptr, up.data(), NR,
-                 NR);
-      for (int64_t i = 0; i < n; ++i)
-        vec::silu_mul(gate.data() + i * NR, up.data() + i * NR, op + (m_lo + i) * I + j * NR, NR);
+      const float* panel = wp + p * K * NR;
+      const float* pb = bp ? bp + p * NR : nullptr;
+      const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
+      for_row_tiles(0, M, [&](int64_t m, auto R) {
+        linear_tile<decltype(R)::value>(xp + m * K, K, panel, pb, op + m * O + c0, O, cols);
+      });
     }
   });
   return out;
@@ -207,8 +172,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)");
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
-  m.def("packed_linear_silu_mul", &packed_linear_silu_mul, "silu(gate) * up of x @ [gate | up].T (+ b), w packed "
-        "[P, K, 48] fp32 with O / 2 a multiple of 48; [M, O / 2] fp32 (CPU)");
   m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "silu(gate) * up of x @ [gate | up].T (+ b), w packed by "
         "pack_bf16 with O / 2 a multiple of 48; [M, O / 2] fp32 (CPU)");
   m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");
