@@ -19,6 +19,7 @@ from .kernels import Ops, pack_weight, pad_bias, unpack_weight
 
 
 class PackedWeight:
+    ops: Ops
     out_features: int
     in_features: int
 
@@ -28,10 +29,10 @@ class PackedWeight:
     def dequantize(self) -> Tensor:  # [O, K] fp32
         raise NotImplementedError
 
-    def matmul_silu_and_mul(self, x: Tensor, ops: Ops) -> Tensor:
+    def matmul_silu_and_mul(self, x: Tensor) -> Tensor:
         """silu(gate) * up of this [gate | up] linear: x [M, K] fp32 -> [M, O / 2] fp32. A format whose kernel
         can apply it to its own output tiles overrides this."""
-        return ops.silu_and_mul(self.matmul(x))
+        return self.ops.silu_and_mul(self.matmul(x))
 
     @property
     def nbytes(self) -> int:
@@ -58,14 +59,14 @@ class DensePanels(PackedWeight):
             return self.ops.linear_bf16(x, self.data, self.bias, self.out_features)
         return self.ops.packed_linear(x, self.data, self.bias, self.out_features)
 
-    def matmul_silu_and_mul(self, x: Tensor, ops: Ops) -> Tensor:
+    def matmul_silu_and_mul(self, x: Tensor) -> Tensor:
         # bf16 panels whose gate and up halves are whole panels: in one pass, the product never stored. Under
         # FUSED_SILU_MIN_ROWS the product fits in L2 anyway, and the fused kernel's two weight streams a thread
         # (gate and up panels) cost more than they save (Zen 5, 30 layers' 576 -> 2 x 1536 from memory: 1 row
         # 95 vs 112 us, 8 rows 135 vs 140, 16 rows 165 vs 159, 512 rows 2472 vs 2349). The results are the same bits.
         if self.data.dtype == torch.bfloat16 and self.out_features % 96 == 0 and x.shape[0] >= FUSED_SILU_MIN_ROWS:
             return self.ops.linear_bf16_silu_mul(x, self.data, self.bias, self.out_features)
-        return super().matmul_silu_and_mul(x, ops)
+        return super().matmul_silu_and_mul(x)
 
     def dequantize(self) -> Tensor:
         return unpack_weight(self.data, self.out_features)[:, :self.in_features].float()

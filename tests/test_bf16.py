@@ -56,7 +56,7 @@ def test_gate_up_whose_halves_are_not_whole_panels(ops):  # noqa: ANN001
     with pytest.raises(RuntimeError, match="whole panels"):
         ops.linear_bf16_silu_mul(x, ops.pack_bf16(w), None, 80)
     dense = DensePanels(ops, w, None, torch.bfloat16)
-    assert torch.equal(dense.matmul_silu_and_mul(x, ops), ops.silu_and_mul(dense.matmul(x)))
+    assert torch.equal(dense.matmul_silu_and_mul(x), ops.silu_and_mul(dense.matmul(x)))
 
 
 def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):  # noqa: ANN001
@@ -67,10 +67,10 @@ def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):  
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(2 * 96, 64, generator=g), torch.randn(FUSED_SILU_MIN_ROWS + 3, 64, generator=g)
     dense = DensePanels(ops, w, None, torch.bfloat16)
-    together = dense.matmul_silu_and_mul(x, ops)
+    together = dense.matmul_silu_and_mul(x)
     assert torch.equal(together, ops.linear_bf16_silu_mul(x, dense.data, None, 2 * 96))
     for i in range(x.shape[0]):
-        assert torch.equal(dense.matmul_silu_and_mul(x[i:i + 1], ops), together[i:i + 1])
+        assert torch.equal(dense.matmul_silu_and_mul(x[i:i + 1]), together[i:i + 1])
 
 
 @pytest.mark.parametrize("in_features", [7, 16, 33, 576])

@@ -35,35 +35,38 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   return packed;
 }
 
-static void check_args(const torch::Tensor& x, const torch::Tensor& w, int64_t O) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_bf16: x must be [M, K] fp32");
-  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == NR && w.size(3) == 2 && w.is_contiguous(),
-              "linear_bf16: w must be packed [P, K2, 48, 2] bf16 (pack_bf16)");
-  TORCH_CHECK(w.size(1) == (x.size(1) + 1) / 2 && O <= w.size(0) * NR, "linear_bf16: x [", x.size(0), ", ", x.size(1),
-              "] does not match the packed weight");
-}
-
 // work items = (block of MB rows, panel or pair of panels), row blocks outermost: the threads sweep the panels
 // over one block of x at a time, so it stays in L2 instead of streaming all of x once per panel
 constexpr int64_t MB = 128;
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
-  check_args(x, w, O);
-  x = x.contiguous();
+// What both entry points need: checked arguments, x as bf16 pairs, the raw weight and bias pointers
+struct Call {
+  bf16::Pairs xb;
+  const uint16_t* w;
+  const float* bias;
+  int64_t M, K2, P, nmb;
+};
+
+static Call prepare(torch::Tensor x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, int64_t O) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_bf16: x must be [M, K] fp32");
+  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 4 && w.size(2) == NR && w.size(3) == 2 && w.is_contiguous(),
+              "linear_bf16: w must be packed [P, K2, 48, 2] bf16 (pack_bf16)");
   const int64_t M = x.size(0), K = x.size(1), P = w.size(0), K2 = w.size(1);
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const bf16::Pairs xb = bf16::pairs(x.data_ptr<float>(), M, K);
-  auto y = torch::empty({M, O}, x.options());
+  TORCH_CHECK(K2 == (K + 1) / 2 && O <= P * NR, "linear_bf16: x [", M, ", ", K, "] does not match the packed weight");
+  x = x.contiguous();
+  return Call{bf16::pairs(x.data_ptr<float>(), M, K), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+              bias.has_value() ? bias->data_ptr<float>() : nullptr, M, K2, P, (M + MB - 1) / MB};
+}
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
+  const Call c = prepare(x, w, bias, O);
+  auto y = torch::empty({c.M, O}, x.options());
   float* yp = y.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  const int64_t nmb = (M + MB - 1) / MB;
-  at::parallel_for(0, nmb * P, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, c.nmb * c.P, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t item = lo; item < hi; ++item) {
-      const int64_t p = item % P, m_lo = (item / P) * MB, m_hi = std::min(M, m_lo + MB);
-      const uint16_t* panel = wp + p * K2 * NR * 2;
-      const float* pb = b ? b + p * NR : nullptr;
+      const int64_t p = item % c.P, m_lo = (item / c.P) * MB, m_hi = std::min(c.M, m_lo + MB);
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      bf16::rows_out(xb, m_lo, m_hi, panel, pb, yp + c0, O, cols);
+      bf16::rows_out(c.xb, m_lo, m_hi, c.w + p * c.K2 * NR * 2, c.bias ? c.bias + c0 : nullptr, yp + c0, O, cols);
     }
   });
   return y;
@@ -74,25 +77,20 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 // its rows into two small buffers (L1) and writes only the activation. The [M, 2I] fp32 product is never
 // stored and read back: at a 2048-token chunk that was 25 MB a layer, plus a second pass over it.
 torch::Tensor linear_bf16_silu_mul(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
-  check_args(x, w, O);
-  TORCH_CHECK(O == w.size(0) * NR && w.size(0) % 2 == 0,
+  TORCH_CHECK(w.dim() == 4 && O == w.size(0) * NR && w.size(0) % 2 == 0,
               "linear_bf16_silu_mul: the gate and up halves must be whole panels (O / 2 a multiple of 48)");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = w.size(0), K2 = w.size(1), half = P / 2, I = O / 2;
-  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const bf16::Pairs xb = bf16::pairs(x.data_ptr<float>(), M, K);
-  auto y = torch::empty({M, I}, x.options());
+  const Call c = prepare(x, w, bias, O);
+  const int64_t half = c.P / 2, I = O / 2;
+  auto y = torch::empty({c.M, I}, x.options());
   float* yp = y.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  const int64_t nmb = (M + MB - 1) / MB;
-  at::parallel_for(0, nmb * half, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, c.nmb * half, 1, [&](int64_t lo, int64_t hi) {
     auto gate = bf16::aligned<float>(MB * NR), up = bf16::aligned<float>(MB * NR);
     for (int64_t item = lo; item < hi; ++item) {
-      const int64_t j = item % half, m_lo = (item / half) * MB, m_hi = std::min(M, m_lo + MB);
+      const int64_t j = item % half, m_lo = (item / half) * MB, m_hi = std::min(c.M, m_lo + MB);
       // rows_out writes row m at y + m * O: offset so that row m_lo lands on the buffers' first row
-      bf16::rows_out(xb, m_lo, m_hi, wp + j * K2 * NR * 2, b ? b + j * NR : nullptr, gate.get() - m_lo * NR, NR, NR);
-      bf16::rows_out(xb, m_lo, m_hi, wp + (j + half) * K2 * NR * 2, b ? b + (j + half) * NR : nullptr,
-                     up.get() - m_lo * NR, NR, NR);
+      for (auto [p, buf] : {std::pair{j, gate.get()}, std::pair{j + half, up.get()}})
+        bf16::rows_out(c.xb, m_lo, m_hi, c.w + p * c.K2 * NR * 2, c.bias ? c.bias + p * NR : nullptr, buf - m_lo * NR,
+                       NR, NR);
       for (int64_t m = m_lo; m < m_hi; ++m)
         vec::silu_mul(gate.get() + (m - m_lo) * NR, up.get() + (m - m_lo) * NR, yp + m * I + j * NR, NR);
     }

@@ -175,15 +175,11 @@ class DecoderLayer(nn.Module):
         if self.tp is not None:  # row-parallel: the ranks' partial sums
             self.tp.all_reduce(o)
         h, residual = self.post_attention_layernorm(o, residual, self.ops)
-        if self.ops is not None and self.gate_up_proj.packed is not None:
-            act = self.gate_up_proj.packed.matmul_silu_and_mul(h, self.ops)  # [T, intermediate]
+        if self.ops is not None:  # set_ops packed every linear
+            act = self.gate_up_proj.packed.matmul_silu_and_mul(h)  # [T, intermediate]
         else:
-            gate_up = self._linear(h, self.gate_up_proj)  # [T, 2 * intermediate]
-            if self.ops is not None:
-                act = self.ops.silu_and_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
+            gate, up = self._linear(h, self.gate_up_proj).chunk(2, dim=-1)  # [T, intermediate] each
+            act = F.silu(gate) * up
         out = self._linear(act, self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(out)
