@@ -63,6 +63,7 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks admission keeps free
     num_threads: int | None = None
     tensor_parallel_size: int = 1  # worker processes over torch.distributed (tensor_parallel.py)
+    max_logprobs: int = 20  # the most top logprobs a request may ask for per token (vLLM's max_logprobs)
     speculative_config: Any = None  # vLLM's: {"method": "ngram" | "draft_model", ...} or JSON; parsed into a SpeculativeConfig
 
     def __post_init__(self) -> None:
@@ -78,6 +79,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

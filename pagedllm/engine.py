@@ -76,6 +76,7 @@ class _Group:
     detoks: list[IncrementalDetokenizer | None]
     texts: list[str] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
+    error: BaseException | None = None  # what failed it inside a step
 
 
 def available_memory_bytes() -> int:
@@ -215,7 +216,7 @@ class LLMEngine:
                 raise InvalidRequestError("prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; pass {'prompt_token_ids': [...]}")
-            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+            return prompt, self._check_ids(self.tokenizer.encode(prompt, max_tokens=self.max_model_len))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_ids(list(prompt))
         raise InvalidRequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -255,7 +256,7 @@ class LLMEngine:
                                       "(room must be left for at least one output token)")
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
-        params = self._resolve_token_params(params)
+        params = self.prepare_params(params)
         seqs = []
         for i in range(params.n):
             p = params if params.n == 1 else params.clone_for_child(i)
@@ -273,24 +274,32 @@ class LLMEngine:
         self.groups[request_id] = _Group(request_id, text, ids, params, seqs, detoks, [""] * len(seqs))
         return request_id
 
-    def _resolve_token_params(self, params: SamplingParams) -> SamplingParams:
-        """Check the token ids params name against the vocabulary; tokenize bad_words."""
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """Check what params name against the model (token ids, logprobs), tokenize bad_words and
+        compile the grammar: work linear in the request's size, safe from any thread, so a server does
+        it before add_request, off the step loop; add_request then finds it done. Raises
+        InvalidRequestError."""
         vocab = self.model_config.vocab_size
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = [t for t in (getattr(params, name) or []) if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not params.bad_words:
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            bad = next((t for t in (getattr(params, name) or []) if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > min(self.config.max_logprobs, vocab):
+            raise InvalidRequestError(f"logprobs of {params.logprobs} is over the limit of "
+                                      f"{min(self.config.max_logprobs, vocab)} (max_logprobs)")
+        if params.structured_outputs is not None:
+            self.compile_grammar(params.structured_outputs)  # cached: add_request finds it compiled
+        if not params.bad_words or params.bad_words_token_ids is not None:
             return params
         if self.tokenizer is None:
             raise InvalidRequestError("bad_words needs a tokenizer; this model has none")
-        seqs: list[list[int]] = []
+        seqs: dict[tuple[int, ...], None] = {}  # ordered and de-duplicated in linear time
         for word in params.bad_words:  # as vLLM: the word alone and after a space, as the model would spell it
             for text in (word.strip(), " " + word.strip()):
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return SamplingParams(**{**params.__dict__, "bad_words_token_ids": seqs})
+                if ids:
+                    seqs[tuple(ids)] = None
+        return SamplingParams(**{**params.__dict__, "bad_words_token_ids": [list(w) for w in seqs]})
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Returns its final output (or None if unknown)."""
@@ -298,10 +307,7 @@ class LLMEngine:
         if g is None:
             return None
         for seq in g.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-                if self.tp is not None:
-                    self._tp_gone.append(seq.request_id)
+            self._release(seq, RequestStatus.FINISHED_ABORTED)
         return self._finalize_if_done(g)
 
     def has_unfinished_requests(self) -> bool:
@@ -321,6 +327,8 @@ class LLMEngine:
             gone, self._tp_gone = self._tp_gone, []
             self.tp.step(sched, self.block_manager.tables, gone)
         res = self.runner.execute(sched, self.block_manager.tables)
+        # from here on, an exception is one request's: its group is aborted alone (failed), the batch goes on
+        failed: dict[str, BaseException] = {}
         # a leader finishing its prompt also samples the first token of each of its forks; a speculating
         # request verifies its proposals over its 1 + k rows
         reqs, rows = [], []
@@ -330,56 +338,102 @@ class LLMEngine:
             if n > 1:
                 drafts = list(r.spec_tokens)
                 q = self.draft.probs.get(r.request_id) if self.draft is not None else None
-                emitted[r.request_id], accepted = self.sampler.verify(res.logits[offset:offset + n], r, drafts,
-                                                                      self.eos_token_ids, q)
-                self.spec_counters.record(len(drafts), accepted)
-                record_acceptance(r, len(drafts), accepted, self.spec)
+                try:
+                    emitted[r.request_id], accepted = self.sampler.verify(res.logits[offset:offset + n], r, drafts,
+                                                                          self.eos_token_ids, q)
+                except Exception as e:  # noqa: BLE001 - failed alone, below
+                    failed[r.group_id] = e
+                else:
+                    self.spec_counters.record(len(drafts), accepted)
+                    record_acceptance(r, len(drafts), accepted, self.spec)
             else:
                 for seq in [r, *r.pending_forks]:
                     reqs.append(seq)
                     rows.append(offset)
             offset += n
-        samples = self.sampler.sample(res.logits, reqs, rows, self.eos_token_ids) if reqs else []
-        for seq, s in zip(reqs, samples):
+        for seq, s in zip(reqs, self._sample(res.logits, reqs, rows, failed)):
+            if s is None:
+                continue
             emitted[seq.request_id] = [s]
-            if seq.grammar is not None and not seq.grammar.accept_token(s.token_id):
-                log.warning("request %s: sampled token %d is outside its grammar", seq.request_id, s.token_id)
-        self.scheduler.update(sched, {r.request_id: [s.token_id for s in emitted[r.request_id]] for r in res.requests})
+            try:
+                if seq.grammar is not None and not seq.grammar.accept_token(s.token_id):
+                    log.warning("request %s: sampled token %d is outside its grammar", seq.request_id, s.token_id)
+            except Exception as e:  # noqa: BLE001
+                failed[seq.group_id] = e
+        for gid, e in failed.items():
+            self._fail(self.groups[gid], e)
+        self.scheduler.update(sched, {r.request_id: [s.token_id for s in emitted.get(r.request_id, [])]
+                                      for r in res.requests})
         if self.draft is not None:
-            self.draft.after_update([s.request for s in sched.scheduled if s.num_spec])
+            self.draft.after_update([s.request for s in sched.scheduled if s.num_spec and not s.request.is_finished])
         for r in res.requests:
+            if r.is_finished:
+                continue
             for child in r.pending_forks:
                 self.scheduler.fork(r, child)
                 child.output_token_ids.append(emitted[child.request_id][0].token_id)
                 self.scheduler.counters.generation_tokens += 1
             r.pending_forks = []
         now = time.monotonic()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _Group] = {gid: self.groups[gid] for gid in failed}
         for seq in [*reqs, *(r for r, n in zip(res.requests, res.num_rows) if n > 1)]:
             if seq.is_finished:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             g = self.groups[seq.group_id]
-            new = emitted[seq.request_id]
-            base = len(seq.output_token_ids) - len(new)
-            for j, s in enumerate(new):
-                if seq.params.logprobs is not None:
-                    seq.cumulative_logprob += s.logprob
-                    seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.id_to_token(t) if self.tokenizer else None)
-                                         for t, lp, rank in s.top})
-                self._check_stop(g, seq, base + j + 1)
-                if seq.is_finished:  # a stop inside the accepted run: the tokens after it are not outputs
-                    dropped = len(seq.output_token_ids) - (base + j + 1)
-                    del seq.output_token_ids[base + j + 1:]
-                    self.scheduler.counters.generation_tokens -= dropped
-                    break
+            try:
+                self._take_tokens(g, seq, emitted[seq.request_id])
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop strings, logprobs of this one request
+                self._fail(g, e)
             touched[g.request_id] = g
         outs = []
         for g in touched.values():
             out = self._finalize_if_done(g) or self._output(g)
             outs.append(out)
         return outs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
+                failed: dict[str, BaseException]) -> list[SampleResult | None]:
+        """One sample per request, batched; when the batch raises, each request alone, so that only the
+        requests that fail (None, their error in failed) lose their step."""
+        if not reqs:
+            return []
+        try:
+            return self.sampler.sample(logits, reqs, rows, self.eos_token_ids)
+        except Exception:  # noqa: BLE001 - found below, request by request
+            pass
+        out: list[SampleResult | None] = []
+        for seq, row in zip(reqs, rows):
+            try:
+                out.append(self.sampler.sample(logits, [seq], [row], self.eos_token_ids)[0])
+            except Exception as e:  # noqa: BLE001
+                failed[seq.group_id] = e
+                out.append(None)
+        return out
+
+    def _take_tokens(self, g: _Group, seq: Request, new: list[SampleResult]) -> None:
+        """Logprobs and stop checks of the tokens a step appended to seq (several: accepted proposals)."""
+        base = len(seq.output_token_ids) - len(new)
+        for j, s in enumerate(new):
+            if seq.params.logprobs is not None:
+                seq.cumulative_logprob += s.logprob
+                seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.id_to_token(t) if self.tokenizer else None)
+                                     for t, lp, rank in s.top})
+            self._check_stop(g, seq, base + j + 1)
+            if seq.is_finished:  # a stop inside the accepted run: the tokens after it are not outputs
+                dropped = len(seq.output_token_ids) - (base + j + 1)
+                del seq.output_token_ids[base + j + 1:]
+                self.scheduler.counters.generation_tokens -= dropped
+                break
+
+    def _fail(self, g: _Group, error: BaseException) -> None:
+        """Abort a request whose own work raised inside a step; the rest of the batch goes on."""
+        log.error("request %s failed inside a step and was aborted: %s: %s", g.request_id,
+                  type(error).__name__, error, exc_info=error)
+        g.error = error
+        for seq in g.seqs:
+            self._release(seq, RequestStatus.FINISHED_ABORTED)
 
     def _propose(self) -> None:
         """This step's proposals for running decodes (none while the batch is large, for paused
@@ -443,6 +497,12 @@ class LLMEngine:
             detok.flush()
             g.texts[seq.index] = detok.text
         seq.stop_reason = reason
+        self._release(seq, status)
+
+    def _release(self, seq: Request, status: RequestStatus) -> None:
+        """Finish seq in the scheduler (its blocks freed) and drop its per-request state."""
+        if seq.is_finished:
+            return
         self.scheduler.finish(seq, status)
         self.sampler.forget(seq.request_id)
         if self.tp is not None:
@@ -465,8 +525,9 @@ class LLMEngine:
                    "first_token_time": leader.first_token_time,
                    "finished_time": max((s.finished_time or 0) for s in g.seqs) if finished else None,
                    "num_preemptions": sum(s.num_preemptions for s in g.seqs)}
+        error = None if g.error is None else f"{type(g.error).__name__}: {g.error}"
         return RequestOutput(g.request_id, g.prompt, g.prompt_token_ids, comps, finished,
-                             leader.num_cached_tokens, metrics)
+                             leader.num_cached_tokens, metrics, error)
 
     def _finalize_if_done(self, g: _Group) -> RequestOutput | None:
         if not all(s.is_finished for s in g.seqs):

@@ -15,3 +15,7 @@ class ModelLoadError(PagedLLMError):
 
 class ConfigError(PagedLLMError, ValueError):
     """An engine option that is out of range or inconsistent."""
+
+
+class RequestFailedError(PagedLLMError):
+    """A request that failed inside an engine step: it was aborted alone, its blocks freed."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from .config import EngineConfig
 from .engine import EngineStats, LLMEngine, PromptType
+from .errors import RequestFailedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -52,15 +53,23 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    done[out.request_id] = out
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        if out.error is not None:
+                            raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
+                        if bar:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:  # the call is over: its other requests must not stay in the engine
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
         return [done[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,

@@ -35,3 +35,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the request failed inside a step (it finished as "abort")

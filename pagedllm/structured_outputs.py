@@ -177,6 +177,9 @@ class StructuredOutputs:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError / its own types
             raise InvalidRequestError(f"structured_outputs.{spec.kind}: {_compiler_message(e)}") from None
+        if not self._can_start(compiled):
+            raise InvalidRequestError(f"structured_outputs.{spec.kind}: the grammar matches no text (no token can "
+                                      "begin it)")
         with self._lock:
             self.stats.num_compiles += 1
             self.stats.compile_seconds += time.perf_counter() - t0
@@ -209,6 +212,15 @@ class StructuredOutputs:
         except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, already a readable message
             raise InvalidRequestError(f"structured_outputs.structural_tag: {e}") from None
         return compiler.compile_structural_tag(tag)
+
+    def _can_start(self, compiled: Any) -> bool:
+        """Whether some token may begin an output of the grammar (`root ::= root root` has none)."""
+        import xgrammar as xgr
+
+        m = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, V/32] int32
+        m.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def matcher(self, compiled: Any) -> Any:
         import xgrammar as xgr

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import TemplateError, TemplateRenderer
 from .errors import InvalidRequestError
+from .limits import check_unicode
 
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 _LONG_TEXT = 8192  # characters: ~2 ms of encoding, past which holding the GIL stalls the other threads
@@ -53,6 +54,8 @@ class Tokenizer:
         self.add_bos = add_bos
         self.eos_token_ids = {i for i in [self.eos_token_id, *(extra_eos_ids or [])] if i is not None}
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # the most characters one token stands for: a text longer than n times this has over n tokens
+        self.max_token_chars = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
         self.renderer = TemplateRenderer()
 
     # ---- construction --------------------------------------------------------------------
@@ -109,11 +112,19 @@ class Tokenizer:
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
 
     # ---- use -----------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) > _LONG_TEXT:  # encode_batch releases the GIL: other threads (the engine step) keep running
-            ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        else:
-            ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of text. max_tokens: refuse (InvalidRequestError) a text that is surely longer, by
+        its length alone, before any of it is tokenized. Text that is not valid Unicode is refused too."""
+        if max_tokens is not None and len(text) > max_tokens * self.max_token_chars:
+            raise InvalidRequestError(f"text of {len(text)} characters is over {max_tokens} tokens")
+        try:
+            if len(text) > _LONG_TEXT:  # encode_batch releases the GIL: other threads (the engine step) keep running
+                ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            else:
+                ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            check_unicode(text, "text")
+            raise
         if add_special_tokens and self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id, *ids]
         return ids

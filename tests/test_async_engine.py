@@ -41,7 +41,7 @@ def test_outputs_wait_for_a_late_reader(llama_dir):  # noqa: ANN001
 def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_serving(llama_dir):  # noqa: ANN001
     async def main() -> None:
         eng = await started(llama_dir)
-        real = eng.engine.sampler.sample
+        real = eng.engine.runner.execute  # a forward that raises is the batch's failure, not one request's
         calls = {"n": 0}
 
         def failing(*a, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -50,7 +50,7 @@ def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_servin
                 raise RuntimeError("injected")
             return real(*a, **kw)
 
-        eng.engine.sampler.sample = failing
+        eng.engine.runner.execute = failing
         params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2)
         streams = await eng.add([NewRequest(f"f{i}", {"prompt_token_ids": [5, 6, 7 + i]}, params) for i in range(3)])
         for s in streams:
