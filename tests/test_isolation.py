@@ -7,9 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedllm import LLM, InvalidRequestError, SamplingParams
-from pagedllm import limits
-from pagedllm import RequestFailedError
+from pagedllm import LLM, InvalidRequestError, RequestFailedError, SamplingParams, limits
 
 GOOD = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
