@@ -269,24 +269,44 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import resource
+
     import uvicorn
 
     from .config import EngineConfig
     from .server.app import build_app
+    from .server.http import DrainingServer, guarded_protocol
 
     config = EngineConfig(**engine_kwargs(args))  # validate options before binding the port
+    address = f"http://{args.host}:{args.port}"
     app = build_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template, body_timeout=args.body_timeout,
+                    address=address)
+    # connections are capped below the descriptor limit, so accept() never fails for want of one
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    max_connections = max(16, min(args.max_connections, soft - 256))
+    logging.getLogger("pagedllm.server").setLevel(logging.INFO)  # the banner and its warnings, -v or not
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", access_log=not args.no_access_log,
+        http=guarded_protocol(args.header_timeout, max_connections), timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5), app.state.engine.drain, args.shutdown_timeout)
     import signal
 
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler that
-    # was installed before it; a no-op one there makes a requested shutdown exit 0
+    # uvicorn re-raises the signal it stopped on to the handler installed before it: a no-op one there
+    # makes a requested shutdown exit 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
-    return 1 if getattr(app.state, "fatal", None) else 0  # a lost tensor-parallel worker is a failure
+    server.run()
+    code = 1 if getattr(app.state, "fatal", None) else 0  # no model, or a lost tensor-parallel worker
+    if getattr(app.state, "stalled", False):
+        logging.getLogger("pagedllm.server").error("the engine did not stop (a step never returned); exiting")
+        logging.shutdown()
+        os._exit(1)  # its thread would hold the interpreter's exit forever
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -316,7 +336,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
     sv.add_argument("--trust-request-chat-template", action="store_true",
                     help="allow chat_template in request bodies (a template is a program; off by default, as in vLLM)")
-    sv.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds live requests get on SIGTERM")
+    sv.add_argument("--shutdown-timeout", type=float, default=5.0,
+                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection has to send a request head before it is closed")
+    sv.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body has to arrive (408)")
+    sv.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle seconds before a keep-alive closes")
+    sv.add_argument("--max-connections", type=int, default=4096,
+                    help="open connections beyond this are closed at once (also kept under the file limit)")
+    sv.add_argument("--no-access-log", action="store_true", help="do not log each request")
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 

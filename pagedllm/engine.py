@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -14,7 +13,7 @@ import torch
 
 from .allocator import keep_freed_memory
 from .block_manager import BlockManager
-from .config import EngineConfig, parse_size
+from .config import EngineConfig, available_memory_bytes, parse_size
 from .errors import ConfigError, InvalidRequestError
 from .kv_cache import KVCache
 from .loader import load_model
@@ -79,17 +78,6 @@ class _Group:
     error: BaseException | None = None  # what failed it inside a step
 
 
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -131,6 +119,7 @@ class LLMEngine:
             bytes_per_token += dc.num_layers * cache_cls.bytes_per_token(dc.num_kv_heads, dc.head_dim, kv_dtype)
         bytes_per_block = bytes_per_token * bs
         num_blocks = self._num_blocks(config, bytes_per_block)
+        self._check_fits_in_memory(num_blocks, bytes_per_block)
         model_max = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_max})")
@@ -201,6 +190,16 @@ class LLMEngine:
         if n < 1:
             raise ConfigError(f"KV budget of {budget} bytes is smaller than one block ({bytes_per_block} bytes)")
         return n
+
+    @staticmethod
+    def _check_fits_in_memory(num_blocks: int, bytes_per_block: int) -> None:
+        """A pool larger than the memory there is would be zero-filled until the OOM killer ends the
+        process (a shared host's global OOM): refused here, with the figures."""
+        need, have = num_blocks * bytes_per_block, available_memory_bytes()
+        if need > have:
+            raise ConfigError(f"the KV pool needs {need / 2**30:.2f} GiB ({num_blocks} blocks x {bytes_per_block} "
+                              f"bytes) but only {have / 2**30:.2f} GiB of memory is available; lower "
+                              "kv_cache_memory / num_kv_blocks or use memory_utilization")
 
     # ---- requests ------------------------------------------------------------------------
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:

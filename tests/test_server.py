@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -28,13 +29,14 @@ class Server:
         """model None: the embedded default."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: the access log never fills a buffer
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "serve", *(["--model", model] if model else []),
                                       "--port", str(self.port), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+                raise RuntimeError(f"server exited: {self.output()}")
             try:
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return
@@ -42,6 +44,11 @@ class Server:
                 pass
             time.sleep(0.2)
         raise RuntimeError("server did not become ready")
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        self.log.seek(0)
+        return self.log.read()
 
     def metric(self, name: str, labels: str = "") -> float:
         for line in httpx.get(self.url + "/metrics").text.splitlines():

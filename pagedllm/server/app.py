@@ -35,7 +35,8 @@ from ..tool_calls import (
     tool_calls_message,
     tool_format_for,
 )
-from .async_engine import AsyncEngine, NewRequest, QueueFullError, RequestStream
+from .async_engine import AsyncEngine, NewRequest, QueueFullError, RequestStream, ShuttingDownError
+from .http import BodyLimitMiddleware, error_response
 from .protocol import (
     CHAT_NOOPS,
     COMPLETION_NOOPS,
@@ -57,39 +58,6 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status)
-
-
-class BodyLimitMiddleware:
-    """413 for bodies over max_bytes, whether or not Content-Length is sent."""
-
-    def __init__(self, app, max_bytes: int) -> None:  # noqa: ANN001
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):  # noqa: ANN001, ANN204
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", []):
-            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                return await error_response(413, f"request body over {self.max_bytes} bytes",
-                                            code="payload_too_large")(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():  # noqa: ANN202
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise APIError(413, f"request body over {self.max_bytes} bytes", code="payload_too_large")
-            return msg
-
-        return await self.app(scope, limited_receive, send)
-
-
 class APIKeyMiddleware:
     def __init__(self, app, api_key: str) -> None:  # noqa: ANN001
         self.app, self.api_key = app, api_key
@@ -109,24 +77,36 @@ class APIKeyMiddleware:
 
 def build_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
               max_queue_len: int = 1024, max_body_bytes: int = 8 * 2**20,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, body_timeout: float = 30.0,
+              address: str | None = None) -> FastAPI:
+    """address: where the server listens, for the startup banner."""
     engine = AsyncEngine(config, max_queue_len=max_queue_len)
+    log = logging.getLogger("pagedllm.server")
 
-    def fatal(reason: str) -> None:  # a tensor-parallel worker died: fail requests (done), then shut down
+    def fatal(reason: str) -> None:  # the model did not load, or a tensor-parallel worker died: shut down
         import os
         import signal
 
-        logging.getLogger("pagedllm.server").error("engine stopped for good (%s); shutting down", reason)
+        log.error("engine stopped for good (%s); shutting down", reason)
         app.state.fatal = reason
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def ready(e) -> None:  # noqa: ANN001
+        bm = e.block_manager
+        log.info("pagedllm serving %s at %s (KV pool: %d blocks x %d tokens = %d tokens, %.0f MiB; "
+                 "max_model_len %d)", served_model_name or e.model_name, address or "?", bm.num_blocks,
+                 bm.block_size, bm.num_blocks * bm.block_size, bm.num_blocks * e.bytes_per_block / 2**20,
+                 e.max_model_len)
+
     engine.on_fatal = fatal
+    engine.on_ready = ready
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         await engine.start()
         yield
-        await engine.stop()
+        if not await engine.stop(timeout=5.0):
+            app.state.stalled = True  # a step that never returns: the process must exit without it
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
@@ -282,7 +262,9 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         """Tokenize (off the event loop) and add every prompt, all or none."""
         e = core()
         try:
-            prepared = await asyncio.to_thread(lambda: [e.prepare_prompt(p) for p in prompts])
+            # everything the request brings is checked and prepared here, off the event loop and the step loop
+            params, prepared = await asyncio.to_thread(lambda: (e.prepare_params(params),
+                                                               [e.prepare_prompt(p) for p in prompts]))
             base = f"{prefix}-{uuid.uuid4().hex[:24]}"
             return await engine.add([NewRequest(f"{base}-{i}", p, params, req.priority, req.cache_salt)
                                      for i, p in enumerate(prepared)])
@@ -290,34 +272,31 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             raise APIError(400, str(ex)) from ex
         except QueueFullError as ex:
             raise APIError(429, str(ex), "rate_limit_error", code="queue_full") from ex
+        except ShuttingDownError as ex:
+            raise APIError(503, str(ex), "service_unavailable") from ex
 
     async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several requests as they come: (prompt index, output)."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, s: RequestStream) -> None:
-            try:
-                async for out in engine.stream(s):
-                    await queue.put((i, out))
-            except Exception as ex:  # noqa: BLE001
-                await queue.put((i, ex))
-            finally:
-                await queue.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        live = len(tasks)
+        """Outputs of several requests as they come: (prompt index, output). Each stream keeps only its
+        newest cumulative output, and nothing is read from it while the caller is busy (a client that
+        stops reading): a stalled response holds one output per prompt, never a backlog."""
+        its = {i: engine.stream(s).__aiter__() for i, s in enumerate(streams)}
+        pending = {asyncio.ensure_future(it.__anext__()): i for i, it in its.items()}
         try:
-            while live:
-                i, out = await queue.get()
-                if out is None:
-                    live -= 1
-                elif isinstance(out, Exception):
-                    raise APIError(500, str(out), "server_error")
-                else:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    i = pending.pop(fut)
+                    try:
+                        out = fut.result()
+                    except StopAsyncIteration:
+                        continue
+                    except Exception as ex:  # noqa: BLE001 - the engine failed this request
+                        raise APIError(500, str(ex), "server_error") from ex
+                    pending[asyncio.ensure_future(its[i].__anext__())] = i
                     yield i, out
         finally:
-            for t in tasks:
-                t.cancel()
+            for fut in pending:
+                fut.cancel()
             for s in streams:
                 engine.abort(s.request_id)
 
@@ -467,9 +446,12 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         knows = template_knows_tools(template)
         messages = template_messages([m.template_dict() for m in req.messages], tools, knows)
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools and knows else {})}
-        text = e.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+        # as in vLLM, chat_template_kwargs may set add_generation_prompt; the request's own fields win otherwise
+        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+        text = e.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                chat_template=req.chat_template, **kwargs)
-        return {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False)}
+        return {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False,
+                                                                       max_tokens=e.max_model_len)}
 
     def chat_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[list[dict], tuple[str, dict] | None]:
         """(tools the model is offered, (field, output constraint)). tool_choice 'required' or a named
@@ -586,7 +568,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, timeout=body_timeout)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app

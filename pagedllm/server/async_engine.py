@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..config import EngineConfig
 from ..engine import EngineStats, LLMEngine, PromptType
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, RequestFailedError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tensor_parallel import WorkerDiedError
@@ -28,6 +28,10 @@ log = logging.getLogger("pagedllm.server")
 
 class QueueFullError(Exception):
     """The bounded waiting queue is full."""
+
+
+class ShuttingDownError(Exception):
+    """The server is draining: no new requests."""
 
 
 @dataclass
@@ -81,31 +85,47 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._draining = False
         self.last_progress = time.monotonic()
         self.loop_error: str | None = None
         self.on_fatal = None  # called (with the reason) when the engine can never step again
+        self.on_ready = None  # called (with the LLMEngine) once the model is loaded
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
-    async def stop(self) -> None:
-        """Abort live requests and stop the loop."""
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests from now on (/ready says so); abort those still running after timeout
+        seconds, so that each ends with a final output (finish_reason "abort") rather than a cut."""
+        self._draining = True
+        asyncio.get_running_loop().call_later(timeout, self._abort_all)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            self.abort(rid)
+
+    async def stop(self, timeout: float = 30.0) -> bool:
+        """Abort live requests and stop the loop. False if the loop did not stop within timeout (a step
+        that never returns): its thread is then left behind, and the caller should exit the process."""
         self._stopping = True
         for rid in list(self._streams):
             self._ops.append(("abort", rid))
         self._wake.set()
+        stopped = True
         if self._task:
             try:
-                await asyncio.wait_for(self._task, timeout=30)
+                await asyncio.wait_for(asyncio.shield(self._task), timeout=timeout)
             except (asyncio.TimeoutError, asyncio.CancelledError):
                 self._task.cancel()
-        if self.engine is not None:
+                stopped = False
+        if self.engine is not None and stopped:
             self.engine.shutdown()  # tensor-parallel workers, if any
+        return stopped
 
     @property
     def ready(self) -> bool:
-        if self.engine is None or self.loop_error or self._stopping:
+        if self.engine is None or self.loop_error or self._stopping or self._draining:
             return False
         busy = bool(self._streams)
         return not (busy and time.monotonic() - self.last_progress > self.stall_timeout)
@@ -115,8 +135,8 @@ class AsyncEngine:
         """Queue requests, all or none; raises InvalidRequestError / QueueFullError before any runs."""
         if self.engine is None:
             raise RuntimeError("the model is still loading")
-        if self._stopping:
-            raise QueueFullError("the server is shutting down")
+        if self._stopping or self._draining:
+            raise ShuttingDownError("the server is shutting down")
         queued = sum(len(op[1]) for op in self._ops if op[0] == "add")
         waiting = (self.stats.num_waiting if self.stats else 0) + queued
         if waiting + len(requests) > self.max_queue_len:
@@ -206,7 +226,9 @@ class AsyncEngine:
     def _deliver(self, out: RequestOutput) -> None:
         s = self._streams.get(out.request_id)
         now = time.monotonic()
-        if s is not None:
+        if s is not None and out.error is not None:  # failed inside a step: this request alone
+            s.put(RequestFailedError(f"request failed: {out.error}"))
+        elif s is not None:
             n = sum(len(c.token_ids) for c in out.outputs)
             new = n - s.num_tokens
             if new > 0:
@@ -235,7 +257,11 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("model failed to load: %s", self.load_error)
+            if self.on_fatal is not None:  # a server that cannot serve exits (non-zero), not idles "healthy"
+                self.on_fatal(self.load_error)
             return
+        if self.on_ready is not None:
+            self.on_ready(self.engine)
         log.info("engine loaded: %s", self.engine.model_name)
         while True:
             if self._ops:

@@ -251,6 +251,14 @@ class ChatCompletionRequest(_Sampling, _Structured):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):  # noqa: ANN001, ANN206
+        taken = sorted(set(v or ()) & {"messages", "chat_template", "tools", "documents"})
+        if taken:
+            raise ValueError(f"{taken[0]} is a request field, not a chat_template_kwargs entry")
+        return v
+
 
 # per endpoint: fields with a no-op value that the other endpoint does not have
 COMPLETION_NOOPS: dict[str, Callable[[Any], bool]] = {
