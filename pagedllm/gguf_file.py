@@ -24,8 +24,27 @@ class _Reader(GGUFReader):
 
     def _get(self, offset: int, dtype, count: int = 1, override_order: str | None = None) -> np.ndarray:  # noqa: ANN001
         count = int(count)
-        arr = self._plain()[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        end = offset + np.dtype(dtype).itemsize * count
+        if end > len(self.data):
+            raise ValueError(f"truncated: the header needs bytes up to offset {end}, the file ends at {len(self.data)}")
+        arr = self._plain()[offset:end].view(dtype=dtype)[:count]
         return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        """gguf's, after checking that every tensor's bytes are in the file: a cut file otherwise fails
+        with a reshape error that names neither the tensor nor what is missing."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        for f in fields:
+            _, name, _, dims, raw_type, offset = f.parts
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            need = int(np.prod([int(d) for d in dims], dtype=np.int64)) * size // block
+            start = start_offs + int(offset[0])
+            have = max(0, min(need, len(self.data) - start))
+            if have < need:
+                raise ValueError(f"truncated or corrupt: tensor {bytes(name).decode(errors='replace')!r} needs {need} "
+                                 f"bytes at offset {start}, the file holds {have} of them ({need - have} missing)")
+        super()._build_tensors(start_offs, fields)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
         """Arrays of strings or numbers in a file of this machine's byte order (a vocabulary, its merges, token
@@ -49,6 +68,9 @@ class _Reader(GGUFReader):
         idxs: list[int] = []
         for _ in range(count):
             n = int.from_bytes(raw[offs:offs + 8], "little")
+            if offs + 8 + n > len(plain):
+                raise ValueError(f"truncated: the header needs bytes up to offset {offs + 8 + n}, the file ends at "
+                                 f"{len(plain)}")
             parts.append(plain[offs:offs + 8].view(np.uint64))
             parts.append(plain[offs + 8:offs + 8 + n])
             idxs.append(len(parts) - 1)

@@ -259,8 +259,16 @@ class _GGUFTensors:
     def __init__(self, path: Path) -> None:
         from .gguf_file import open_gguf
 
-        self.reader = open_gguf(path, "c")
+        try:
+            self.reader = open_gguf(path, "c")
+        except (ValueError, IndexError, KeyError, OSError) as e:  # gguf-py's errors on a cut or corrupt header
+            raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
         self.by_name = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:  # a cut file maps short arrays, which only fail later, far from the cause
+            if t.data.nbytes < t.n_bytes:
+                raise ModelLoadError(f"{path} is truncated or corrupt: tensor {t.name!r} needs {int(t.n_bytes)} bytes "
+                                     f"at offset {int(t.data_offset)}, the file holds {t.data.nbytes} of them "
+                                     f"({int(t.n_bytes) - t.data.nbytes} missing)")
         self.meta = read_gguf_metadata(self.reader)
 
     def fmt(self, name: str) -> WeightFormat | None:

@@ -155,3 +155,17 @@ def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:  # noqa: ANN00
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in fast.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in ref.tensors]
     assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, ref.tensors))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.02])
+def test_a_truncated_file_names_what_is_missing(tmp_path, fraction: float) -> None:  # noqa: ANN001
+    from pagedllm.errors import ModelLoadError
+    from pagedllm.loader import default_model_path
+
+    data = default_model_path().read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * fraction)])
+    with pytest.raises(ModelLoadError, match="truncated") as e:
+        LLM(str(cut))
+    if fraction == 0.5:  # past the header: the tensor and its missing bytes
+        assert "tensor 'blk." in str(e.value) and "missing" in str(e.value)
