@@ -41,6 +41,10 @@ class _View:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
     def tokens_slice(self, start: int, end: int) -> list[int]:
         return self.tokens[start:end]
 

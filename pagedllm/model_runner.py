@@ -60,14 +60,20 @@ class ModelRunner:
         def kind(s: ScheduledRequest) -> int:
             """0 decodes, 1 short mid-sequence chunks (with 0: the op's rows, which must come first),
             2 long mid-sequence chunks (the chunk kernel or gathered SDPA: matrix products beat the op's
-            row-at-a-time loop), 3 fresh prompts (the chunk kernel or SDPA over their own K/V)."""
-            if s.num_new_tokens == 1:
+            row-at-a-time loop), 3 fresh prompts (the chunk kernel or SDPA over their own K/V).
+            A decode computes an output token; prompt rows left by a prefix hit are never decodes, even one
+            of them, and over a bf16 pool they take the chunk kernel as a whole prompt's rows do (only
+            speculative rows take the op), so a hit does not change how a prompt's last row is computed."""
+            req = s.request
+            if s.num_new_tokens == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
                 return 0
-            if s.request.num_computed_tokens:
-                return 1 if self.op is not None and s.num_new_tokens < self.paged_chunk_max else 2
+            if req.num_computed_tokens:
+                short = s.num_new_tokens < self.paged_chunk_max and (s.num_spec > 0 or not self.chunk_op)
+                return 1 if self.op is not None and short else 2
             return 3
 
-        order = sorted(sched.scheduled, key=kind)
+        kinds = {id(s): kind(s) for s in sched.scheduled}
+        order = sorted(sched.scheduled, key=lambda s: kinds[id(s)])
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -91,11 +97,11 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             ctx = start + n
             nb = -(-ctx // bs)
-            paged = kind(s) < 2
+            paged = kinds[id(s)] < 2
             if paged:
                 paged_tables.append(table[:nb])
                 paged_meta.append((q_start, n, ctx))
-            if n == 1:
+            if kinds[id(s)] == 0:
                 dec_tables.append(table[:nb])
                 dec_lens.append(ctx)
             elif self.chunk_op and not paged:

@@ -115,10 +115,10 @@ def shard_model(model: nn.Module, tp: TPGroup, weights_done: bool = False) -> No
 # ---- the step message ------------------------------------------------------------------------
 @dataclass
 class StepPlan:
-    """One step for the workers: per scheduled request (id, start, new tokens, num_spec, completes),
-    block-table tails from their first changed entry, copies, and finished requests."""
+    """One step for the workers: per scheduled request (id, start, new tokens, num_spec, completes, prompt
+    length), block-table tails from their first changed entry, copies, and finished requests."""
 
-    work: list[tuple[str, int, list[int], int, bool]] = field(default_factory=list)
+    work: list[tuple[str, int, list[int], int, bool, int]] = field(default_factory=list)
     tables: list[tuple[str, int, list[int]]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
@@ -133,6 +133,7 @@ class _WorkView:
     num_computed_tokens: int
     tokens: list[int]
     num_tokens: int
+    num_prompt_tokens: int  # the runner tells prompt rows from decodes by it, as the driver's does
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         return self.tokens[start - self.num_computed_tokens:end - self.num_computed_tokens]
@@ -142,10 +143,10 @@ def plan_to_sched(plan: StepPlan) -> Any:
     from .scheduler import ScheduledRequest, SchedulerOutput
 
     scheduled = []
-    for rid, start, toks, num_spec, completes in plan.work:
+    for rid, start, toks, num_spec, completes, prompt_len in plan.work:
         n = len(toks)
         total = start + n - num_spec if completes else start + n + 1  # reproduces ScheduledRequest.completes
-        scheduled.append(ScheduledRequest(_WorkView(rid, start, toks, total), n, num_spec))
+        scheduled.append(ScheduledRequest(_WorkView(rid, start, toks, total, prompt_len), n, num_spec))
     return SchedulerOutput(scheduled, list(plan.copies))
 
 
@@ -273,7 +274,7 @@ class TPDriver:
             r = s.request
             start = r.num_computed_tokens
             plan.work.append((r.request_id, start, r.tokens_slice(start, start + s.num_new_tokens), s.num_spec,
-                              s.completes))
+                              s.completes, r.num_prompt_tokens))
             table, known = tables[r.request_id], self._sent.get(r.request_id, [])
             at = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), min(len(table), len(known)))
             if at < len(table) or len(known) != len(table):

@@ -23,16 +23,19 @@ class PackedWeight:
     out_features: int
     in_features: int
 
-    def matmul(self, x: Tensor) -> Tensor:  # x [M, K] fp32 -> [M, O] fp32
+    def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        """x [M, K] fp32 -> [M, O] fp32. decode_rows: how many leading rows of x are single-token decodes
+        (-1: unknown); a format whose kernel path depends on the rows (GGML blocks) chooses it by them, so
+        that a row's result does not depend on the batch it came in."""
         raise NotImplementedError
 
     def dequantize(self) -> Tensor:  # [O, K] fp32
         raise NotImplementedError
 
-    def matmul_silu_and_mul(self, x: Tensor) -> Tensor:
+    def matmul_silu_and_mul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
         """silu(gate) * up of this [gate | up] linear: x [M, K] fp32 -> [M, O / 2] fp32. A format whose kernel
         can apply it to its own output tiles overrides this."""
-        return self.ops.silu_and_mul(self.matmul(x))
+        return self.ops.silu_and_mul(self.matmul(x, decode_rows))
 
     @property
     def nbytes(self) -> int:
@@ -54,12 +57,12 @@ class DensePanels(PackedWeight):
         self.data = ops.pack_bf16(w) if dtype == torch.bfloat16 else pack_weight(w.float())
         self.bias = pad_bias(bias.float()) if bias is not None else None
 
-    def matmul(self, x: Tensor) -> Tensor:
+    def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:  # the same path for every row
         if self.data.dtype == torch.bfloat16:
             return self.ops.linear_bf16(x, self.data, self.bias, self.out_features)
         return self.ops.packed_linear(x, self.data, self.bias, self.out_features)
 
-    def matmul_silu_and_mul(self, x: Tensor) -> Tensor:
+    def matmul_silu_and_mul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
         # bf16 panels whose gate and up halves are whole panels: in one pass, the product never stored. Under
         # FUSED_SILU_MIN_ROWS the product fits in L2 anyway, and the fused kernel's two weight streams a thread
         # (gate and up panels) cost more than they save (Zen 5, 30 layers' 576 -> 2 x 1536 from memory: 1 row
@@ -102,8 +105,9 @@ class GGMLWeight(PackedWeight):
         self._weights = [ops.repack_ggml(d, f.ggml_type) if r else d for (d, f), r in zip(parts, self.repacked)]
         self._types = [f.ggml_type + REPACKED if r else f.ggml_type for (_, f), r in zip(parts, self.repacked)]
 
-    def matmul(self, x: Tensor) -> Tensor:
-        return self.ops.linear_ggml(x, self._weights, self._types, self.rows_per_part, self.bias, self.out_features)
+    def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        return self.ops.linear_ggml(x, self._weights, self._types, self.rows_per_part, self.bias, self.out_features,
+                                    decode_rows)
 
     def dequantize(self) -> Tensor:
         return torch.cat([self.ops.dequantize_ggml(w, t, self.in_features, n, None)

@@ -58,3 +58,20 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):  # noqa: 
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     assert gguf_cache_key(copy) != gguf_cache_key(src)
+
+
+def test_a_prefix_cache_hit_does_not_change_a_greedy_answer(smollm):  # noqa: ANN001
+    """The prompt rows left after a hit take the same kernels as a whole prompt's (the GGML linears choose
+    their path by the rows, not the batch size): the first token's logprob is the same bits, and 20 repeats
+    give the first answer."""
+    prompt = "Question: which city is the capital of France, and which river flows through it? Answer:"
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
+    first = smollm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0  # no other test sends this prompt
+    repeats = [smollm.generate([prompt], params)[0] for _ in range(20)]
+    c0 = first.outputs[0]
+    for r in repeats:
+        c = r.outputs[0]
+        assert r.num_cached_tokens > 0
+        assert c.token_ids == c0.token_ids
+        assert c.logprobs[0][c.token_ids[0]].logprob == c0.logprobs[0][c0.token_ids[0]].logprob

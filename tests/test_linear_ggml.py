@@ -167,3 +167,19 @@ def test_fallback_isa_paths(ops_avx2) -> None:  # noqa: ANN001
             y = mod.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [40], None, 40).double()
             ref = quantized_activations(x) @ w.T if m < 16 else x.bfloat16().double() @ w.bfloat16().double().T
             torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
+def test_prompt_rows_take_the_same_path_whatever_the_batch(ops, t: T) -> None:  # noqa: ANN001
+    """decode_rows chooses the path by the rows, not by M: prompt rows are the bf16 panels' whether 3 or 40
+    of them come (a prefix-cache hit leaves a few), so each row gets the same bits in either batch; a step of
+    decodes alone under 16 rows keeps the integer dot."""
+    o, k = 100, 512
+    raw = torch.from_numpy(random_blocks(t, o, k))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2))
+    whole = ops.linear_ggml(x, [raw], [int(t)], [o], None, o, 0)
+    for lo, hi in [(37, 40), (0, 1), (20, 31)]:
+        assert torch.equal(ops.linear_ggml(x[lo:hi], [raw], [int(t)], [o], None, o, 0), whole[lo:hi])
+    decodes = ops.linear_ggml(x[:3], [raw], [int(t)], [o], None, o, 3)
+    assert torch.equal(decodes, ops.linear_ggml(x[:3], [raw], [int(t)], [o], None, o))  # M < 16: the dot
+    assert not torch.equal(decodes, whole[:3])

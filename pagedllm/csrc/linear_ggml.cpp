@@ -2,6 +2,12 @@
 // stores them: w is one or more parts [O_i, row_bytes_i] uint8 stacked along the outputs (a fused
 // q/k/v may mix formats), each row K / QK blocks. x [M, K] fp32, y [M, sum O_i] fp32.
 //
+// Which path a call takes is decided by its rows, so that a row's result does not depend on the
+// batch it came in: a caller that knows its step passes decode_rows (its leading single-token decode
+// rows); prompt rows (any rows past those) always take the bf16 panels, and a step of decodes alone
+// takes the integer dot while it has fewer than kDotRowsMax rows. So a prompt's last row is computed
+// the same way whether its prefix came from the cache (a few rows left) or not (the whole prompt).
+// decode_rows = -1 (a caller that does not know): by M alone.
 // Decode-sized batches (M < kDotRowsMax): the integer dot product, the way ggml pairs each type
 // with an int8 `vec_dot_type`. Each activation row is quantized per 32 values to int8 with an fp32
 // scale da (and the sums da * sum(q) per 16, for the formats' offsets); per weight chunk of 32 the
@@ -426,7 +432,8 @@ void check_weight(const torch::Tensor& w) {
 const char* linear_ggml_isa() { return kIsa; }
 
 torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
-                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O) {
+                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O,
+                          int64_t decode_rows) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == rows.size() && !ws.empty(),
               "linear_ggml: one type and row count per weight part");
@@ -448,7 +455,7 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   // activations prepared once for all parts: int8 per 32 for the dot, bf16 pairs for the panel path
   QAct a{};
   bf16::Pairs xb;
-  const bool dot = M < kDotRowsMax;
+  const bool dot = M < kDotRowsMax && (decode_rows < 0 || decode_rows >= M);
   bool any_plain = false, any_x16 = false;
   for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
   if (K % 32 == 0 && dot && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K);

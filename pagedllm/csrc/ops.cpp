@@ -175,7 +175,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "silu(gate) * up of x @ [gate | up].T (+ b), w packed by "
         "pack_bf16 with O / 2 a multiple of 48; [M, O / 2] fp32 (CPU)");
   m.def("linear_bf16_isa", &linear_bf16_isa, "the instruction set linear_bf16 was compiled for");
-  m.def("linear_ggml", &linear_ggml, "x @ w.T (+ b), w in a ggml block format as GGUF stores it, x and y fp32 (CPU)");
+  m.def("linear_ggml", &linear_ggml, "x @ w.T (+ b), w in a ggml block format as GGUF stores it, x and y fp32 (CPU); "
+        "decode_rows: x's leading single-token decode rows, which choose the path (-1: by M)",
+        py::arg("x"), py::arg("ws"), py::arg("types"), py::arg("rows"), py::arg("bias"), py::arg("O"),
+        py::arg("decode_rows") = -1);
   m.def("dequantize_ggml", &dequantize_ggml, "rows of a ggml block format (or repacked) -> fp32 [rows or ids, K]");
   m.def("ggml_repacks", &ggml_repacks, "whether this CPU runs a ggml type repacked into 16-row groups");
   m.def("repack_ggml", &repack_ggml, "[O, row_bytes] -> 16-row groups [ceil(O / 16), K / 32, bytes] (Q4_0 Q4_1 Q8_0)");

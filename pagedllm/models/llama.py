@@ -149,10 +149,10 @@ class DecoderLayer(nn.Module):
         self.ops: Ops | None = None
         self.tp = None  # tensor parallelism (tensor_parallel.py): this rank's heads and MLP slice
 
-    def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, layer: nn.Linear, decode_rows: int) -> torch.Tensor:
         if layer.packed is None:
             return layer(x)
-        return layer.packed.matmul(x)  # [T, out] fp32 whatever the weights' format
+        return layer.packed.matmul(x, decode_rows)  # [T, out] fp32 whatever the weights' format
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +160,8 @@ class DecoderLayer(nn.Module):
         cos, sin: [T, D / 2] with the C++ ops, else [T, 1, D]. Returns (mlp output, residual)."""
         t = x.shape[0]
         h, residual = self.input_layernorm(x, residual, self.ops)
-        qkv = self._linear(h, self.qkv_proj)  # [T, q_size + 2 * kv_size]
+        nd = meta.num_decodes  # the leading rows are decodes: a weight format may choose its path by them
+        qkv = self._linear(h, self.qkv_proj, nd)  # [T, q_size + 2 * kv_size]
         if self.ops is not None:
             a = attention_from_qkv(self.ops, qkv, cos, sin, self.num_heads, cache, meta, self.scale)  # [T, H, D]
         else:
@@ -171,16 +172,16 @@ class DecoderLayer(nn.Module):
             q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
             k = k * cos + rotate_half(k) * sin
             a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
-        o = self._linear(a.view(t, self.q_size), self.o_proj)
+        o = self._linear(a.view(t, self.q_size), self.o_proj, nd)
         if self.tp is not None:  # row-parallel: the ranks' partial sums
             self.tp.all_reduce(o)
         h, residual = self.post_attention_layernorm(o, residual, self.ops)
         if self.ops is not None:  # set_ops packed every linear
-            act = self.gate_up_proj.packed.matmul_silu_and_mul(h)  # [T, intermediate]
+            act = self.gate_up_proj.packed.matmul_silu_and_mul(h, nd)  # [T, intermediate]
         else:
-            gate, up = self._linear(h, self.gate_up_proj).chunk(2, dim=-1)  # [T, intermediate] each
+            gate, up = self._linear(h, self.gate_up_proj, nd).chunk(2, dim=-1)  # [T, intermediate] each
             act = F.silu(gate) * up
-        out = self._linear(act, self.down_proj)
+        out = self._linear(act, self.down_proj, nd)
         if self.tp is not None:
             self.tp.all_reduce(out)
         return out, residual
@@ -306,7 +307,9 @@ class LlamaForCausalLM(nn.Module):
             return torch.zeros(0, self.cfg.vocab_size)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
-        logits = self.lm_head.packed.matmul(x) if self.lm_head.packed is not None else self.lm_head(x).float()
+        # the sampled rows keep the step's order: the decodes' rows first
+        logits = self.lm_head.packed.matmul(x, meta.num_decodes) if self.lm_head.packed is not None \
+            else self.lm_head(x).float()
         return logits if self.tp is None else self.tp.all_gather_last(logits)  # [R, vocab]
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
