@@ -9,7 +9,9 @@ load it). Checkouts on one venv share a build: it compiles copies of the sources
 directory, so its commands name the same paths from every checkout and ninja finds its work done
 (compiling a checkout's own paths rebuilt it for each one); a fresh venv builds its own. An flock
 around the build serializes them, and because a killed builder's flock dies with it, a `lock` file
-that torch left behind is known to be stale and is removed instead of waited on forever.
+that torch left behind is known to be stale and is removed instead of waited on forever; so are the
+compilers it left running (ninja and its children outlive a killed builder): they are stopped before
+anything compiles into the folder again.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def load_extension(name: str, sources: list[Path], flags: list[str], where: Path
         except BlockingIOError:
             log.warning("waiting for another process that is building the C++ kernels in %s", where)
             fcntl.flock(lock, fcntl.LOCK_EX)
+        _stop_orphaned_compilers(where)
         stale = where / "lock"  # torch's FileBaton; we hold the flock, so whoever made it is gone
         if stale.exists():
             log.warning("removing a stale build lock left by an interrupted build: %s", stale)
@@ -130,6 +133,33 @@ def load_extension(name: str, sources: list[Path], flags: list[str], where: Path
             log.warning("building C++ kernels (once, about a minute) in %s", where)
         return load(name=name, sources=[str(s) for s in _staged(sources, where)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+
+
+def _stop_orphaned_compilers(where: Path, wait: float = 10.0) -> None:
+    """Kill the processes working in `where` (ninja runs the compilers there): with the flock held, they
+    are a killed builder's, and would write the same objects as this build."""
+    import signal
+    import time
+
+    target = where.resolve()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(proc.name) != os.getpid() and Path(os.readlink(proc / "cwd")) == target:
+                found.append(int(proc.name))
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    if not found:
+        return
+    log.warning("stopping %d compiler process(es) left in %s by an interrupted build", len(found), where)
+    for pid in found:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in found):
+        time.sleep(0.05)
 
 
 def _staged(sources: list[Path], where: Path) -> list[Path]:

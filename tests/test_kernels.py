@@ -428,3 +428,21 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     assert_attention_close(out, ref, torch.bfloat16)
     assert_attention_close(alone, ref, torch.bfloat16)
     assert_attention_close(out, alone, torch.bfloat16)
+
+
+def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path):  # noqa: ANN001
+    """ninja and its compilers outlive a builder killed mid-build; the next builder (holding the flock) stops
+    whatever still works in the build folder before compiling there itself."""
+    import subprocess
+
+    from pagedllm.kernels import _stop_orphaned_compilers
+
+    leftover = subprocess.Popen(["sleep", "60"], cwd=tmp_path)  # stands for a cc1plus still writing objects
+    elsewhere = subprocess.Popen(["sleep", "60"])
+    try:
+        _stop_orphaned_compilers(tmp_path)
+        assert leftover.wait(timeout=10) == -9
+        assert elsewhere.poll() is None  # nothing outside the folder is touched
+    finally:
+        elsewhere.kill()
+        leftover.kill()
