@@ -197,8 +197,8 @@ class StructuredOutputs:
             # compact separators: a small model left free to choose whitespace can loop on newlines forever
             return compiler.compile_json_schema(json.dumps(bound_integers(schema)), any_whitespace=False,
                                                 strict_mode=True)
-        if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+        if kind == "json_object":  # any object, written as compactly as a schema's
+            return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False, strict_mode=False)
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
         if kind == "choice":
