@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +38,7 @@ from ..tool_calls import (
 )
 from .async_engine import AsyncEngine, NewRequest, QueueFullError, RequestStream, ShuttingDownError
 from .http import BodyLimitMiddleware, error_response
+from .openapi import with_model_bounds
 from .protocol import (
     CHAT_NOOPS,
     COMPLETION_NOOPS,
@@ -110,6 +112,19 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
 
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.state.engine = engine
+
+    def openapi() -> dict:
+        """FastAPI's schema plus the loaded model's bounds (kept once the model is there)."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        e = engine.engine
+        if e is None:
+            return schema
+        app.openapi_schema = with_model_bounds(schema, model_name(), e.model_config.vocab_size, e.max_model_len)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     def model_name() -> str:
         return served_model_name or (engine.engine.model_name if engine.engine else "pagedllm")

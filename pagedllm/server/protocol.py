@@ -5,9 +5,29 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from .. import limits
 
 NonNegInt = Annotated[int, Field(ge=0)]
+Text = Annotated[StrictStr, Field(min_length=1)]
+# a token id: an integer, or a float with no fraction (JSON's 5.0 is the integer 5), never a string
+TokenId = Annotated[StrictInt, Field(ge=0),
+                    BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# described here, checked by tool_calls.check_tools (whose message names the bad name)
+ToolName = Annotated[str, Field(json_schema_extra={"pattern": r"^[A-Za-z0-9_-]{1,64}$"})]
+# what the schema says of every body: a field it does not list is refused (unsupported_field), never ignored
+_CLOSED = {"additionalProperties": False}
 
 _NONE: Callable[[Any], bool] = lambda v: v is None
 _FALSY: Callable[[Any], bool] = lambda v: not v
@@ -60,13 +80,13 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsField(BaseModel):
     """vLLM's `structured_outputs` body field: exactly one of these (checked by StructuredOutputsParams)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1, "maxProperties": 1})
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[StrictStr] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1, max_length=limits.MAX_CHOICES)
+    grammar: Text | None = None
+    json_object: Literal[True] | None = None
     structural_tag: dict[str, Any] | str | None = None
 
 
@@ -76,9 +96,9 @@ class _Structured(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs.*
-    guided_regex: str | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: str | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=limits.MAX_CHOICES)
+    guided_grammar: Text | None = None
     guided_json_object: bool | None = None
     structural_tag: str | None = None
 
@@ -110,7 +130,7 @@ class _Structured(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    name: str
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -123,7 +143,7 @@ class ToolDefinition(BaseModel):
 
 class NamedToolChoice(BaseModel):
     class Function(BaseModel):
-        name: str
+        name: ToolName
 
     type: Literal["function"]
     function: Function
@@ -134,7 +154,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # extras are checked by unsupported_field, never ignored
+    model_config = ConfigDict(extra="allow", json_schema_extra=_CLOSED)  # extras: checked by unsupported_field
 
     model: str | None = None
     n: int = Field(1, ge=1, le=16)
@@ -146,8 +166,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[NonNegInt] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=16)] | None = None
+    stop_token_ids: list[NonNegInt] | None = Field(None, max_length=limits.MAX_TOKEN_ID_LIST)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stream: bool = False
@@ -158,10 +178,12 @@ class _Sampling(BaseModel):
     priority: int = 0
     cache_salt: str | None = None
     allowed_token_ids: list[NonNegInt] | None = Field(None, min_length=1)
-    bad_words: list[StrictStr] | None = None
+    bad_words: list[Annotated[StrictStr, Field(min_length=1, max_length=limits.MAX_BAD_WORD_CHARS, pattern=r"\S")]] \
+        | None = Field(None, max_length=limits.MAX_BAD_WORDS)
 
-    # keys and the -100..100 range are checked by SamplingParams, the ids against the vocabulary by the engine
-    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
+    # token ids as keys; the ids are checked against the vocabulary by the engine
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
+        Field(None, max_length=1024)
 
     @field_validator("stop")
     @classmethod
@@ -173,7 +195,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling, _Structured):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -211,8 +233,24 @@ class MessageToolCall(BaseModel):
     function: Function
 
 
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The schema of a message per role, as _tool_fields accepts it (fields beyond these reach the template)."""
+    props = schema["properties"]
+
+    def role(roles: list[str], extra: dict, required: tuple[str, ...] = ()) -> dict:
+        return {"type": "object", "required": ["role", *required],
+                "properties": {"role": {"type": "string", "enum": roles}, "content": props["content"],
+                               "name": props["name"], **extra}}
+
+    schema.pop("properties")
+    schema.pop("required", None)
+    schema["oneOf"] = [role(["system", "user", "developer"], {}),
+                       role(["assistant"], {"tool_calls": props["tool_calls"]}),
+                       role(["tool"], {"tool_call_id": {"type": "string", "minLength": 1}}, ("tool_call_id",))]
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_message_schema)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[TextPart] | None = None
@@ -267,6 +305,8 @@ CHAT_NOOPS: dict[str, Callable[[Any], bool]] = {"echo": _FALSY, "add_special_tok
 
 
 class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_CLOSED)
+
     model: str | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
@@ -275,5 +315,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra=_CLOSED)
+
     model: str | None = None
     tokens: list[StrictInt]
