@@ -198,17 +198,17 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
 
-        def run() -> list[int]:
+        def run() -> list[int]:  # a text surely longer than the context is refused before it is tokenized
             if req.messages is not None:
                 text = tok.apply_chat_template([m.template_dict() for m in req.messages],
                                                add_generation_prompt=req.add_generation_prompt)
-                return tok.encode(text, add_special_tokens=False)
-            return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+                return tok.encode(text, add_special_tokens=False, max_tokens=e.max_model_len)
+            return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens, max_tokens=e.max_model_len)
 
         try:
             ids = await asyncio.to_thread(run)
         except InvalidRequestError as ex:
-            raise APIError(400, str(ex), param="messages") from ex
+            raise APIError(400, str(ex), param="messages" if req.messages is not None else "prompt") from ex
         return {"tokens": ids, "count": len(ids), "max_model_len": e.max_model_len}
 
     @app.post("/detokenize")

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from ..allocator import release_freed_memory
 from ..config import EngineConfig
 from ..engine import EngineStats, LLMEngine, PromptType
 from ..errors import InvalidRequestError, RequestFailedError
@@ -282,7 +283,9 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
                 if not self._ops:
-                    await self._wake.wait()
+                    await asyncio.to_thread(release_freed_memory)  # idle: what a burst took goes back
+                    if not self._ops:
+                        await self._wake.wait()
                 continue
             steps = self.engine.num_steps
             try:
