@@ -66,3 +66,39 @@ def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_servin
         await eng.stop()
 
     asyncio.run(main())
+
+
+def test_a_drain_refuses_new_requests_and_aborts_running_ones_after_its_timeout(llama_dir):  # noqa: ANN001
+    from pagedllm.server.async_engine import ShuttingDownError
+
+    async def main() -> None:
+        eng = await started(llama_dir)
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        (s,) = await eng.add([NewRequest("long", {"prompt_token_ids": [1, 2, 3]}, params)])
+        eng.drain(0.3)
+        assert not eng.ready
+        with pytest.raises(ShuttingDownError):
+            await eng.add([NewRequest("late", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=2))])
+        outs = await collect(eng, s)
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert eng.engine.block_manager.num_used_blocks == 0
+        assert await eng.stop(timeout=5)
+
+    asyncio.run(main())
+
+
+def test_stop_gives_up_on_a_step_that_never_returns(llama_dir):  # noqa: ANN001
+    """The server then exits the process itself (cli.cmd_serve) instead of waiting on the stuck thread."""
+    import threading
+
+    async def main() -> None:
+        eng = await started(llama_dir)
+        release = threading.Event()
+        step = eng.engine.step
+        eng.engine.step = lambda: (release.wait(), step())[1]
+        await eng.add([NewRequest("stuck", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))])
+        await asyncio.sleep(0.2)
+        assert await eng.stop(timeout=0.5) is False
+        release.set()
+
+    asyncio.run(main())
