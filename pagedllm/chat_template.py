@@ -33,7 +33,7 @@ class TemplateLimitError(TemplateError):
     """The template ran past its time, memory or output limit."""
 
 
-def compile_template(source: str):  # noqa: ANN201 - jinja2.Template, imported lazily
+def compile_template(source: str):  # jinja2.Template, imported lazily
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(msg: str) -> None:
@@ -48,7 +48,7 @@ def compile_template(source: str):  # noqa: ANN201 - jinja2.Template, imported l
     return env.from_string(source)
 
 
-def render_bounded(template, context: dict[str, Any], max_chars: int) -> str:  # noqa: ANN001
+def render_bounded(template, context: dict[str, Any], max_chars: int) -> str:
     """Render chunk by chunk, stopping as soon as the output passes max_chars."""
     parts, size = [], 0
     for chunk in template.generate(**context):

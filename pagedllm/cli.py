@@ -63,7 +63,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n", type=int, default=1)
 
 
-def sampling_params(args: argparse.Namespace):  # noqa: ANN201
+def sampling_params(args: argparse.Namespace):
     from .sampling_params import SamplingParams
 
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

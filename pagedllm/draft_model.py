@@ -51,7 +51,7 @@ class _View:
 
 class DraftModel:
     def __init__(self, config: SpeculativeConfig, target: ModelRunner, draft: LoadedModel, num_blocks: int,
-                 kv_dtype: torch.dtype, cache_cls: type, sampler, structured) -> None:  # noqa: ANN001
+                 kv_dtype: torch.dtype, cache_cls: type, sampler, structured) -> None:
         if draft.config.vocab_size != target.model.cfg.vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
                               f"({target.model.cfg.vocab_size}): a draft must share the tokenizer")

@@ -22,7 +22,7 @@ class _Reader(GGUFReader):
             plain = self._plain_view = self.data.view(np.ndarray)
         return plain
 
-    def _get(self, offset: int, dtype, count: int = 1, override_order: str | None = None) -> np.ndarray:  # noqa: ANN001
+    def _get(self, offset: int, dtype, count: int = 1, override_order: str | None = None) -> np.ndarray:
         count = int(count)
         end = offset + np.dtype(dtype).itemsize * count
         if end > len(self.data):

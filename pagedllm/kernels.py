@@ -113,7 +113,7 @@ def build_dir(key: str) -> Path:
     return cache_dir() / "ops" / key
 
 
-def load_extension(name: str, sources: list[Path], flags: list[str], where: Path):  # noqa: ANN201 - the module
+def load_extension(name: str, sources: list[Path], flags: list[str], where: Path):  # the module
     """torch's load() in `where`, under an flock that dies with its holder."""
     from torch.utils.cpp_extension import load
 

@@ -19,7 +19,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
 
-    def get_tokenizer(self):  # noqa: ANN201
+    def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

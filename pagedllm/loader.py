@@ -212,7 +212,7 @@ def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_head, d, 2).swapaxes(1, 2).reshape(-1)
 
 
-def read_gguf_metadata(reader) -> dict:  # noqa: ANN001
+def read_gguf_metadata(reader) -> dict:
     meta = {}
     for k, f in reader.fields.items():
         if k.startswith("GGUF."):
@@ -227,7 +227,7 @@ def gguf_hf_config(meta: dict, tensor_names: set[str]) -> dict:
     if arch not in ("llama", "qwen2", "mistral"):
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
 
-    def g(key: str, default=None):  # noqa: ANN001, ANN202
+    def g(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
     heads = int(g("attention.head_count"))

@@ -28,7 +28,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, cache_factory=KVCache) -> None:  # noqa: ANN001
+                 kv_dtype: torch.dtype, cache_factory=KVCache) -> None:
         self.model = model
         self.block_size = block_size
         cfg = model.cfg

@@ -66,7 +66,7 @@ def shape_from_gguf(path: Path) -> ModelShape:
     arch = r.fields["general.architecture"].contents()
     stored = sum(int(t.n_bytes) for t in r.tensors)  # what the engine holds: the file's formats, as stored
 
-    def g(key: str, default=None):  # noqa: ANN001, ANN202
+    def g(key: str, default=None):
         f = r.fields.get(f"{arch}.{key}")
         return f.contents() if f is not None else default
 

@@ -37,7 +37,7 @@ def shared_prefix(num_requests: int = 64, vocab_size: int = 49152, seed: int = 0
                      rng.randint(*output_range)) for _ in range(num_requests)]
 
 
-def from_jsonl(path: str | Path, tokenizer=None) -> list[WorkItem]:  # noqa: ANN001
+def from_jsonl(path: str | Path, tokenizer=None) -> list[WorkItem]:
     """Lines of {"prompt": str | "prompt_token_ids": [...], "max_tokens": int}."""
     items = []
     for i, line in enumerate(Path(path).read_text().splitlines()):

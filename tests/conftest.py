@@ -21,7 +21,7 @@ ARCHS = {
 }
 
 
-def make_tiny_model(arch: str, path, seed: int = 0):  # noqa: ANN001, ANN201
+def make_tiny_model(arch: str, path, seed: int = 0):
     import transformers
 
     cfg_cls, model_cls, extra = ARCHS[arch]
@@ -33,7 +33,7 @@ def make_tiny_model(arch: str, path, seed: int = 0):  # noqa: ANN001, ANN201
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory):  # noqa: ANN001, ANN201
+def tiny_models(tmp_path_factory):
     """arch -> (folder, HF model)."""
     out = {}
     for arch in ARCHS:
@@ -43,7 +43,7 @@ def tiny_models(tmp_path_factory):  # noqa: ANN001, ANN201
 
 
 @pytest.fixture(scope="session")
-def ops_avx2():  # noqa: ANN201
+def ops_avx2():
     """Every kernel as a CPU without AVX-512 (Zen 3: AVX2, FMA) compiles it, built here by masking this CPU's
     AVX-512 and AVX-VNNI: the whole library that CPU loads, not a file of it. Built once per session (2-3
     minutes cold on two cores) and cached by source, flags and CPU like the real build."""
@@ -58,7 +58,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def add_tiny_tokenizer(path, vocab_size: int = 320) -> None:  # noqa: ANN001
+def add_tiny_tokenizer(path, vocab_size: int = 320) -> None:
     """A byte-level BPE of exactly vocab_size tokens trained on the test text, ChatML template."""
     import json
     from pathlib import Path
@@ -81,7 +81,7 @@ def add_tiny_tokenizer(path, vocab_size: int = 320) -> None:  # noqa: ANN001
 
 
 @pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
+def chat_model_dir(tmp_path_factory):
     """A tiny random Llama with a real tokenizer and chat template."""
     path = tmp_path_factory.mktemp("llama-chat")
     make_tiny_model("llama", path, seed=5)
@@ -90,12 +90,12 @@ def chat_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
 
 
 @pytest.fixture(scope="session")
-def llama_dir(tiny_models):  # noqa: ANN001, ANN201
+def llama_dir(tiny_models):
     return tiny_models["llama"][0]
 
 
 @pytest.fixture(scope="session")
-def smollm():  # noqa: ANN201
+def smollm():
     from pagedllm import LLM
 
     return LLM(max_model_len=2048, kv_cache_memory="512MiB")

@@ -19,11 +19,11 @@ async def started(model: str) -> AsyncEngine:
     return eng
 
 
-async def collect(eng: AsyncEngine, stream) -> list:  # noqa: ANN001
+async def collect(eng: AsyncEngine, stream) -> list:
     return [out async for out in eng.stream(stream)]
 
 
-def test_outputs_wait_for_a_late_reader(llama_dir):  # noqa: ANN001
+def test_outputs_wait_for_a_late_reader(llama_dir):
     async def main() -> None:
         eng = await started(llama_dir)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, n=3)
@@ -38,13 +38,13 @@ def test_outputs_wait_for_a_late_reader(llama_dir):  # noqa: ANN001
     asyncio.run(main())
 
 
-def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_serving(llama_dir):  # noqa: ANN001
+def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_serving(llama_dir):
     async def main() -> None:
         eng = await started(llama_dir)
         real = eng.engine.runner.execute  # a forward that raises is the batch's failure, not one request's
         calls = {"n": 0}
 
-        def failing(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        def failing(*a, **kw):
             calls["n"] += 1
             if calls["n"] == 3:
                 raise RuntimeError("injected")
@@ -68,7 +68,7 @@ def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_servin
     asyncio.run(main())
 
 
-def test_a_drain_refuses_new_requests_and_aborts_running_ones_after_its_timeout(llama_dir):  # noqa: ANN001
+def test_a_drain_refuses_new_requests_and_aborts_running_ones_after_its_timeout(llama_dir):
     from pagedllm.server.async_engine import ShuttingDownError
 
     async def main() -> None:
@@ -87,7 +87,7 @@ def test_a_drain_refuses_new_requests_and_aborts_running_ones_after_its_timeout(
     asyncio.run(main())
 
 
-def test_stop_gives_up_on_a_step_that_never_returns(llama_dir):  # noqa: ANN001
+def test_stop_gives_up_on_a_step_that_never_returns(llama_dir):
     """The server then exits the process itself (cli.cmd_serve) instead of waiting on the stuck thread."""
     import threading
 

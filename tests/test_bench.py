@@ -16,7 +16,7 @@ def run_bench(*args: str) -> None:
     assert r.returncode == 0, r.stderr
 
 
-def test_throughput_vs_hf_static(llama_dir, tmp_path):  # noqa: ANN001
+def test_throughput_vs_hf_static(llama_dir, tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     run_bench("throughput", "--model", llama_dir, "--workload", "mixed", "--num-requests", "6", "--dtype", "float32",
               "--batch-size", "2", "4", "--json", str(out), "--plot", str(png), "--max-model-len", "1024")
@@ -42,7 +42,7 @@ def test_throughput_vs_hf_static(llama_dir, tmp_path):  # noqa: ANN001
     assert png.stat().st_size > 5000
 
 
-def test_shared_prefix_workload_hits_cache(llama_dir, tmp_path):  # noqa: ANN001
+def test_shared_prefix_workload_hits_cache(llama_dir, tmp_path):
     out = tmp_path / "s.json"
     run_bench("throughput", "--model", llama_dir, "--workload", "shared-prefix", "--num-requests", "8",
               "--baseline", "none", "--json", str(out), "--max-model-len", "1024")
@@ -50,7 +50,7 @@ def test_shared_prefix_workload_hits_cache(llama_dir, tmp_path):  # noqa: ANN001
     assert ours["prefix_cache_hits"] >= 7 * 512
 
 
-def test_jsonl_workload(llama_dir, tmp_path):  # noqa: ANN001
+def test_jsonl_workload(llama_dir, tmp_path):
     f = tmp_path / "w.jsonl"
     f.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 4}\n{"prompt_token_ids": [4, 5], "max_tokens": 6}\n')
     out = tmp_path / "j.json"
@@ -59,7 +59,7 @@ def test_jsonl_workload(llama_dir, tmp_path):  # noqa: ANN001
     assert ours["output_tokens"] == 10 and ours["prompt_tokens"] == 5
 
 
-def test_latency(llama_dir, tmp_path):  # noqa: ANN001
+def test_latency(llama_dir, tmp_path):
     out = tmp_path / "l.json"
     run_bench("latency", "--model", llama_dir, "--input-len", "50", "--output-len", "9", "--num-iters", "2",
               "--json", str(out))
@@ -69,7 +69,7 @@ def test_latency(llama_dir, tmp_path):  # noqa: ANN001
     assert d["prompt_tokens_per_s"] == pytest.approx(50 / d["median"]["ttft_s"])
 
 
-def test_memory(llama_dir, tmp_path):  # noqa: ANN001
+def test_memory(llama_dir, tmp_path):
     out, png = tmp_path / "m.json", tmp_path / "m.png"
     run_bench("memory", "--model", llama_dir, "--num-requests", "16", "--json", str(out), "--plot", str(png),
               "--max-model-len", "1024")
@@ -81,7 +81,7 @@ def test_memory(llama_dir, tmp_path):  # noqa: ANN001
     assert s["peak_concurrency"] == max(series["running"]) <= 16
 
 
-def test_roofline(llama_dir, tmp_path):  # noqa: ANN001
+def test_roofline(llama_dir, tmp_path):
     out = tmp_path / "r.json"
     run_bench("roofline", "--model", llama_dir, "--batch", "4", "--context-len", "16", "--decode-steps", "4",
               "--json", str(out))
@@ -90,7 +90,7 @@ def test_roofline(llama_dir, tmp_path):  # noqa: ANN001
     assert s["achieved_over_floor"] == pytest.approx(s["achieved_step_s"] / s["floor_s"])
 
 
-def test_roofline_of_a_workload_counts_the_work_it_did(llama_dir, tmp_path):  # noqa: ANN001
+def test_roofline_of_a_workload_counts_the_work_it_did(llama_dir, tmp_path):
     from pagedllm.workloads import mixed
 
     out = tmp_path / "w.json"
@@ -104,7 +104,7 @@ def test_roofline_of_a_workload_counts_the_work_it_did(llama_dir, tmp_path):  # 
     assert s["achieved_over_compute_floor"] == pytest.approx(s["achieved_s"] / s["compute_floor_s"])
 
 
-def test_serve_bench(chat_model_dir, tmp_path):  # noqa: ANN001
+def test_serve_bench(chat_model_dir, tmp_path):
     srv = Server(chat_model_dir, "--num-kv-blocks", "64")
     try:
         out = tmp_path / "v.json"
@@ -124,7 +124,7 @@ def test_serve_bench(chat_model_dir, tmp_path):  # noqa: ANN001
         srv.stop()
 
 
-def test_f32_gguf_for_llamacpp_keeps_metadata_and_weights(tmp_path, monkeypatch):  # noqa: ANN001
+def test_f32_gguf_for_llamacpp_keeps_metadata_and_weights(tmp_path, monkeypatch):
     """The llama.cpp baseline's weights: the default GGUF with each tensor dequantized, all else kept."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFReader
@@ -146,7 +146,7 @@ def test_f32_gguf_for_llamacpp_keeps_metadata_and_weights(tmp_path, monkeypatch)
     assert np.array_equal(dequantize(a.data, a.tensor_type).reshape(-1), np.asarray(b.data).reshape(-1))
 
 
-def test_llamacpp_baseline_needs_its_package(llama_dir):  # noqa: ANN001
+def test_llamacpp_baseline_needs_its_package(llama_dir):
     pytest.importorskip("gguf")
     try:
         import llama_cpp  # noqa: F401
@@ -159,7 +159,7 @@ def test_llamacpp_baseline_needs_its_package(llama_dir):  # noqa: ANN001
         pytest.skip("llama-cpp-python is installed here")
 
 
-def test_vllm_baseline_needs_its_interpreter(llama_dir):  # noqa: ANN001
+def test_vllm_baseline_needs_its_interpreter(llama_dir):
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", llama_dir,
                         "--num-requests", "2", "--baseline", "vllm", "--no-progress"],
                        capture_output=True, text=True, timeout=600)
@@ -167,7 +167,7 @@ def test_vllm_baseline_needs_its_interpreter(llama_dir):  # noqa: ANN001
 
 
 @pytest.mark.parametrize("quantization, warned", [("q8_0", True), ("none", False)])
-def test_throughput_says_when_the_baseline_reads_other_weights(llama_dir, quantization: str, warned: bool) -> None:  # noqa: ANN001
+def test_throughput_says_when_the_baseline_reads_other_weights(llama_dir, quantization: str, warned: bool) -> None:
     """The HF baselines read the dense folder: weights quantized at load (or a GGUF's own formats) are
     not the same weights, and the report says so."""
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", llama_dir, "--workload",
@@ -178,7 +178,7 @@ def test_throughput_says_when_the_baseline_reads_other_weights(llama_dir, quanti
     assert ("pass --quantization none to compare the same weights" in r.stderr) == warned, r.stderr
 
 
-def test_vllm_gets_the_preloads_its_cpu_guide_asks_for(tmp_path) -> None:  # noqa: ANN001
+def test_vllm_gets_the_preloads_its_cpu_guide_asks_for(tmp_path) -> None:
     import platform
 
     from pagedllm.bench.throughput import vllm_preload

@@ -11,7 +11,7 @@ from pagedllm.kernels import auto_dtype, load_ops, pad_bias, unpack_weight
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
+def ops():
     ops = load_ops()
     assert ops is not None, "the C++ ops build on this machine"
     return ops
@@ -19,7 +19,7 @@ def ops():  # noqa: ANN201
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 33, 64, 130])
 @pytest.mark.parametrize("out_features, in_features", [(48, 64), (70, 33), (100, 576), (9, 2)])
-def test_linear_bf16_is_a_bf16_matmul_with_fp32_sums(ops, rows, out_features, in_features):  # noqa: ANN001
+def test_linear_bf16_is_a_bf16_matmul_with_fp32_sums(ops, rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x, w = torch.randn(rows, in_features, generator=g), torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
@@ -34,7 +34,7 @@ def test_linear_bf16_is_a_bf16_matmul_with_fp32_sums(ops, rows, out_features, in
 
 @pytest.mark.parametrize("rows", [1, 7, 33, 130, 300])
 @pytest.mark.parametrize("in_features, intermediate", [(64, 48), (576, 96), (33, 144)])
-def test_gate_up_with_silu_in_one_pass_is_the_two_ops(ops, rows, in_features, intermediate):  # noqa: ANN001
+def test_gate_up_with_silu_in_one_pass_is_the_two_ops(ops, rows, in_features, intermediate):
     """The fused MLP kernel writes exactly what linear_bf16 then silu_and_mul write: the same panels, the same
     sums, the same silu; row blocks of 128 and their tails, with and without a bias."""
     g = torch.Generator().manual_seed(rows + in_features)
@@ -46,7 +46,7 @@ def test_gate_up_with_silu_in_one_pass_is_the_two_ops(ops, rows, in_features, in
         assert torch.equal(fused, ops.silu_and_mul(ops.linear_bf16(x, packed, b, out)))
 
 
-def test_gate_up_whose_halves_are_not_whole_panels(ops):  # noqa: ANN001
+def test_gate_up_whose_halves_are_not_whole_panels(ops):
     """An intermediate size that is not a multiple of 48 cannot pair gate and up panels: the kernel refuses it
     and DensePanels takes the two-op path."""
     from pagedllm.weight_formats import DensePanels
@@ -59,7 +59,7 @@ def test_gate_up_whose_halves_are_not_whole_panels(ops):  # noqa: ANN001
     assert torch.equal(dense.matmul_silu_and_mul(x), ops.silu_and_mul(dense.matmul(x)))
 
 
-def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):  # noqa: ANN001
+def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):
     """DensePanels runs the fused kernel from FUSED_SILU_MIN_ROWS rows and the two ops under: a row's result
     must not depend on which (greedy tokens would change with the batch)."""
     from pagedllm.weight_formats import FUSED_SILU_MIN_ROWS, DensePanels
@@ -74,7 +74,7 @@ def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):  
 
 
 @pytest.mark.parametrize("in_features", [7, 16, 33, 576])
-def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):  # noqa: ANN001
+def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):
     """Through an identity weight y is the activations' bf16 exactly: round to nearest even on ties, values
     at bf16's extremes; vector body and scalar tail alike."""
     g = torch.Generator().manual_seed(in_features)
@@ -85,12 +85,12 @@ def test_linear_bf16_rounds_activations_as_torch_does(ops, in_features):  # noqa
     assert torch.equal(y, x.bfloat16().float())
 
 
-def test_dtype_auto_follows_the_cpu(ops):  # noqa: ANN001
+def test_dtype_auto_follows_the_cpu(ops):
     picked, why = auto_dtype()
     assert (picked == torch.bfloat16) == (ops.linear_bf16_isa in ("amx_bf16", "avx512_bf16")) and why
 
 
-def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):  # noqa: ANN001
+def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):
     ref = LLM(model=llama_dir, dtype="float32")
     bf = LLM(model=llama_dir, dtype="bfloat16")
     lin = bf.engine.runner.model.layers[0].qkv_proj
@@ -111,7 +111,7 @@ def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):  # noqa: ANN
 
 
 @pytest.mark.parametrize("isa", ["avx512f", "generic"])
-def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):  # noqa: ANN001
+def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):
     """The paths a CPU without AVX512-BF16 (or without AVX-512: Zen 3) compiles, built here by
     masking this CPU's flags, against the same reference."""
     if isa == "generic":  # the whole library as Zen 3 builds it

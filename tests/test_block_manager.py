@@ -28,7 +28,7 @@ def test_allocate_on_demand_and_free_order():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["take", "front", "back", "remove"]), st.integers(0, 9)), max_size=60))
-def test_free_queue_is_the_ordered_dict_it_replaces(ops):  # noqa: ANN001
+def test_free_queue_is_the_ordered_dict_it_replaces(ops):
     """The never-used run is a counter, not entries: the order, length and membership must be those of one
     insertion-ordered dict of all ids, popped at the head, pushed to either end, removed from anywhere."""
     from collections import OrderedDict
@@ -179,7 +179,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.n = 0
 
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=14))
-    def add(self, prompt):  # noqa: ANN001
+    def add(self, prompt):
         rid = f"r{self.n}"
         self.n += 1
         hits = self.bm.get_computed_blocks(rid, prompt)
@@ -192,7 +192,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), tok=st.integers(0, 3))
-    def append(self, data, tok):  # noqa: ANN001
+    def append(self, data, tok):
         rid = data.draw(st.sampled_from(sorted(self.seqs)))
         toks = self.seqs[rid] + [tok]
         if self.bm.allocate_slots(rid, toks, self.computed[rid], 1) is not None:
@@ -200,7 +200,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
-    def fork(self, data):  # noqa: ANN001
+    def fork(self, data):
         rid = data.draw(st.sampled_from(sorted(self.seqs)))
         child = f"r{self.n}"
         self.n += 1
@@ -209,7 +209,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
-    def free(self, data):  # noqa: ANN001
+    def free(self, data):
         rid = data.draw(st.sampled_from(sorted(self.seqs)))
         self.bm.free(rid)
         del self.seqs[rid], self.computed[rid]

@@ -10,13 +10,13 @@ CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_e
 
 
 @pytest.fixture(scope="module")
-def renderer():  # noqa: ANN201
+def renderer():
     r = TemplateRenderer(timeout=1.0, max_chars=100_000, max_memory=512 * 2**20)
     yield r
     r.close()
 
 
-def test_renders_like_jinja(renderer):  # noqa: ANN001
+def test_renders_like_jinja(renderer):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "héllo ✓"}]
     want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhéllo ✓<|im_end|>\n"
     assert renderer.render(CHATML, {"messages": msgs}) == want
@@ -33,14 +33,14 @@ def test_renders_like_jinja(renderer):  # noqa: ANN001
     ("{% for %}", False),
     ("{{ ''.__class__.__mro__ }}", False),  # the sandbox refuses internals
 ])
-def test_hostile_or_broken_templates_fail_cleanly(renderer, source, limit):  # noqa: ANN001
+def test_hostile_or_broken_templates_fail_cleanly(renderer, source, limit):
     with pytest.raises(TemplateLimitError if limit else TemplateError) as e:
         renderer.render(source, {"messages": []})
     assert "chat template" in str(e.value)
     assert renderer.render("{{ 1 + 1 }}", {}) == "2"  # the renderer still works after (restarted if killed)
 
 
-def test_tokenizer_reports_template_failures_as_invalid_request(tmp_path):  # noqa: ANN001
+def test_tokenizer_reports_template_failures_as_invalid_request(tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models
 

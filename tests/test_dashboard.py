@@ -102,7 +102,7 @@ def test_dashboard_draws_the_pool_the_server_reports():
         assert srv.stop() == 0
 
 
-def test_simulate_html_replays_both_pools_in_the_browser(tmp_path):  # noqa: ANN001
+def test_simulate_html_replays_both_pools_in_the_browser(tmp_path):
     import subprocess
     import sys
 

@@ -8,14 +8,14 @@ import sys
 from pagedllm import SamplingParams
 
 
-def test_chat_knows_paris(smollm):  # noqa: ANN001
+def test_chat_knows_paris(smollm):
     out = smollm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # ended at <|im_end|>
 
 
-def test_generate_text_and_token_prompts(smollm):  # noqa: ANN001
+def test_generate_text_and_token_prompts(smollm):
     outs = smollm.generate(["The capital of France is", {"prompt_token_ids": [1, 2, 3]}],
                            SamplingParams(temperature=0.0, max_tokens=8))
     assert "Paris" in outs[0].outputs[0].text
@@ -42,7 +42,7 @@ def test_cli_reports_bad_input_cleanly():
     assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):  # noqa: ANN001
+def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):
     """A fresh venv installs the same GGUF at another path: it must reuse the converted folder."""
     import shutil
 
@@ -60,7 +60,7 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):  # noqa: 
     assert gguf_cache_key(copy) != gguf_cache_key(src)
 
 
-def test_a_prefix_cache_hit_does_not_change_a_greedy_answer(smollm):  # noqa: ANN001
+def test_a_prefix_cache_hit_does_not_change_a_greedy_answer(smollm):
     """The prompt rows left after a hit take the same kernels as a whole prompt's (the GGML linears choose
     their path by the rows, not the batch size): the first token's logprob is the same bits, and 20 repeats
     give the first answer."""

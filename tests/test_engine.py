@@ -18,7 +18,7 @@ def rand_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 320) -> l
     return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]} for _ in range(n)]
 
 
-def test_64_mixed_requests_free_everything_and_waste_under_one_block(llama_dir):  # noqa: ANN001
+def test_64_mixed_requests_free_everything_and_waste_under_one_block(llama_dir):
     engine = LLMEngine(EngineConfig(model=llama_dir, block_size=8, num_kv_blocks=400,
                                     enable_prefix_caching=False, max_num_batched_tokens=256))
     rng = random.Random(3)
@@ -44,7 +44,7 @@ def test_64_mixed_requests_free_everything_and_waste_under_one_block(llama_dir):
     assert st.peak_num_running > 8  # continuous batching really batched
 
 
-def test_preemption_and_prefix_caching_do_not_change_greedy_outputs(llama_dir):  # noqa: ANN001
+def test_preemption_and_prefix_caching_do_not_change_greedy_outputs(llama_dir):
     prompts = rand_prompts(16, 5, 70, seed=5)
     shared = [{"prompt_token_ids": list(range(40)) + p["prompt_token_ids"]} for p in prompts[:8]]
     ref = LLM(model=llama_dir, enable_prefix_caching=False).generate(prompts + shared, GREEDY)
@@ -56,7 +56,7 @@ def test_preemption_and_prefix_caching_do_not_change_greedy_outputs(llama_dir): 
     assert st.kv_blocks_used == 0
 
 
-def test_reserve_mode_matches_and_never_preempts(llama_dir):  # noqa: ANN001
+def test_reserve_mode_matches_and_never_preempts(llama_dir):
     prompts = rand_prompts(12, 5, 40, seed=8)
     ref = LLM(model=llama_dir).generate(prompts, GREEDY)
     llm = LLM(model=llama_dir, block_size=4, num_kv_blocks=40, preemption_mode="reserve")
@@ -65,7 +65,7 @@ def test_reserve_mode_matches_and_never_preempts(llama_dir):  # noqa: ANN001
     assert llm.stats().num_preemptions == 0
 
 
-def test_n_samples_fork_share_prompt_and_greedy_children_agree(llama_dir):  # noqa: ANN001
+def test_n_samples_fork_share_prompt_and_greedy_children_agree(llama_dir):
     llm = LLM(model=llama_dir, block_size=4)
     p = {"prompt_token_ids": list(range(30))}
     single = llm.generate(p, GREEDY)[0].outputs[0].token_ids
@@ -77,7 +77,7 @@ def test_n_samples_fork_share_prompt_and_greedy_children_agree(llama_dir):  # no
     assert llm.stats().kv_blocks_used == 0
 
 
-def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_dir):  # noqa: ANN001
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_dir):
     llm = LLM(model=llama_dir)
     sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=42, max_tokens=16, ignore_eos=True)
     p = {"prompt_token_ids": [5, 6, 7, 8]}
@@ -87,7 +87,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_dir):  # noqa:
     assert mixed[-1].outputs[0].token_ids == alone
 
 
-def test_stop_token_ids_min_tokens_max_tokens(llama_dir):  # noqa: ANN001
+def test_stop_token_ids_min_tokens_max_tokens(llama_dir):
     llm = LLM(model=llama_dir)
     p = {"prompt_token_ids": [1, 2, 3, 4]}
     free = llm.generate(p, GREEDY)[0].outputs[0].token_ids
@@ -101,7 +101,7 @@ def test_stop_token_ids_min_tokens_max_tokens(llama_dir):  # noqa: ANN001
     assert len(out.token_ids) >= first + 2 and stop_tok not in out.token_ids[:first + 2]
 
 
-def test_logit_bias_and_allowed_token_ids(llama_dir):  # noqa: ANN001
+def test_logit_bias_and_allowed_token_ids(llama_dir):
     llm = LLM(model=llama_dir)
     p = {"prompt_token_ids": [1, 2, 3, 4]}
     kw = dict(temperature=0, max_tokens=12, ignore_eos=True)
@@ -125,7 +125,7 @@ def test_logit_bias_and_allowed_token_ids(llama_dir):  # noqa: ANN001
         SamplingParams(logit_bias={5: 101})
 
 
-def test_bad_words_are_never_generated(chat_model_dir):  # noqa: ANN001
+def test_bad_words_are_never_generated(chat_model_dir):
     llm = LLM(model=chat_model_dir)
     tok = llm.get_tokenizer()
     kw = dict(temperature=0, max_tokens=24, ignore_eos=True)
@@ -147,7 +147,7 @@ def test_bad_words_are_never_generated(chat_model_dir):  # noqa: ANN001
         SamplingParams(bad_words=[" "])
 
 
-def test_logprobs_are_top_k_of_each_sampled_token(llama_dir):  # noqa: ANN001
+def test_logprobs_are_top_k_of_each_sampled_token(llama_dir):
     llm = LLM(model=llama_dir)
     out = llm.generate({"prompt_token_ids": [9, 8, 7]}, SamplingParams(temperature=0, max_tokens=5, logprobs=3,
                                                                         ignore_eos=True))[0].outputs[0]
@@ -159,7 +159,7 @@ def test_logprobs_are_top_k_of_each_sampled_token(llama_dir):  # noqa: ANN001
     assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
 
 
-def test_bad_input_is_refused_and_others_complete(llama_dir):  # noqa: ANN001
+def test_bad_input_is_refused_and_others_complete(llama_dir):
     engine = LLMEngine(EngineConfig(model=llama_dir, num_kv_blocks=16, block_size=16))  # pool: 256 tokens
     engine.add_request("good", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
     bad = [
@@ -186,7 +186,7 @@ def test_bad_input_is_refused_and_others_complete(llama_dir):  # noqa: ANN001
     assert engine.block_manager.num_free_blocks == 16
 
 
-def test_abort_frees_blocks_and_reports(llama_dir):  # noqa: ANN001
+def test_abort_frees_blocks_and_reports(llama_dir):
     engine = LLMEngine(EngineConfig(model=llama_dir, block_size=4))
     engine.add_request("a", {"prompt_token_ids": list(range(50))}, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.add_request("b", {"prompt_token_ids": list(range(9))}, SamplingParams(n=2, max_tokens=100))
@@ -201,7 +201,7 @@ def test_abort_frees_blocks_and_reports(llama_dir):  # noqa: ANN001
     assert engine.abort("nope") is None
 
 
-def test_kv_budget_arithmetic(llama_dir):  # noqa: ANN001
+def test_kv_budget_arithmetic(llama_dir):
     e = LLMEngine(EngineConfig(model=llama_dir, kv_cache_memory="1MiB", block_size=16, dtype="float32"))
     # 2 layers x 2 (K,V) x 2 kv heads x 16 head_dim x 4 bytes = 512 bytes/token
     assert e.kv_bytes_per_token == 512
@@ -209,7 +209,7 @@ def test_kv_budget_arithmetic(llama_dir):  # noqa: ANN001
     assert e.max_model_len == min(1024, e.block_manager.num_blocks * 16)
 
 
-def test_kv_snapshot_matches_the_engine_between_steps(llama_dir):  # noqa: ANN001
+def test_kv_snapshot_matches_the_engine_between_steps(llama_dir):
     llm = LLM(llama_dir, num_kv_blocks=80, block_size=4, max_model_len=256)
     e = llm.engine
     prefix = list(range(1, 13))  # 3 full blocks every request shares

@@ -10,17 +10,17 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.bench.random_gguf import SHAPES, write_random_gguf  # noqa: E402
-from pagedllm.evaluate import compare_to_reference  # noqa: E402
-from pagedllm.kernels import load_ops  # noqa: E402
+from pagedllm import LLM, SamplingParams
+from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
+from pagedllm.evaluate import compare_to_reference
+from pagedllm.kernels import load_ops
 
 pytestmark = pytest.mark.skipif(load_ops() is None, reason="C++ kernels unavailable")
 IDS = [(i * 37 + i * i * 11) % 320 for i in range(300)]
 STD = 0.08  # larger than real models' 0.02 so the tiny random model's predictions are not near-uniform
 
 
-def _pair(path, **kw):  # noqa: ANN001, ANN202
+def _pair(path, **kw):
     ref = LLM(model=str(path), dtype="float32", quantization="none", num_kv_blocks=64)
     native = LLM(model=str(path), dtype="float32", num_kv_blocks=64, **kw)
     return ref, native
@@ -28,7 +28,7 @@ def _pair(path, **kw):  # noqa: ANN001, ANN202
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                                    "Q4_K", "Q5_K", "Q6_K"])
-def test_each_format_runs_in_place_and_tracks_its_dequantized_reference(tmp_path, qtype: str) -> None:  # noqa: ANN001
+def test_each_format_runs_in_place_and_tracks_its_dequantized_reference(tmp_path, qtype: str) -> None:
     path = write_random_gguf(tmp_path / f"{qtype}.gguf", SHAPES["tiny"], qtype, seed=1, std=STD)
     ref, native = _pair(path)
     model = native.engine.runner.model
@@ -42,7 +42,7 @@ def test_each_format_runs_in_place_and_tracks_its_dequantized_reference(tmp_path
         assert r["mean_kl"] < 1e-3 and r["top1_agreement"] > 0.93, r  # near-ties of a random model
 
 
-def test_quantized_weights_are_the_files_pages_not_a_copy(tmp_path) -> None:  # noqa: ANN001
+def test_quantized_weights_are_the_files_pages_not_a_copy(tmp_path) -> None:
     """Q5_K / Q5_0 / Q5_1 run on the mapped file itself; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K are repacked once
     at load where the CPU has the 16-row-group kernel (Q4_0 / Q4_1 / Q8_0 the same bytes per weight),
     and then their file pages are dropped."""
@@ -67,7 +67,7 @@ def test_quantized_weights_are_the_files_pages_not_a_copy(tmp_path) -> None:  # 
     assert model.linear_weight_bytes() == sum(t.n_bytes for t in model.gguf.reader.tensors if "norm" not in t.name)
 
 
-def test_mixed_formats_of_a_q4_k_m_file(tmp_path) -> None:  # noqa: ANN001
+def test_mixed_formats_of_a_q4_k_m_file(tmp_path) -> None:
     """Q4_K_M: Q6_K attn_v / ffn_down (and output) among Q4_K; a fused q/k/v mixes the two."""
     path = write_random_gguf(tmp_path / "q4km.gguf", SHAPES["tiny"], "Q4_K", std=STD, tie=False,
                              types={"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"})
@@ -79,7 +79,7 @@ def test_mixed_formats_of_a_q4_k_m_file(tmp_path) -> None:  # noqa: ANN001
     assert r["mean_kl"] < 1e-3 and r["top1_agreement"] > 0.93, r  # near-ties of a random model
 
 
-def test_a_type_without_a_kernel_is_dequantized_with_a_warning(tmp_path, caplog) -> None:  # noqa: ANN001
+def test_a_type_without_a_kernel_is_dequantized_with_a_warning(tmp_path, caplog) -> None:
     path = write_random_gguf(tmp_path / "iq.gguf", SHAPES["tiny"], "Q4_0", std=STD, types={"ffn_down.weight": "IQ4_NL"})
     with caplog.at_level(logging.WARNING, logger="pagedllm"):
         ref, native = _pair(path)
@@ -92,7 +92,7 @@ def test_a_type_without_a_kernel_is_dequantized_with_a_warning(tmp_path, caplog)
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
-def test_hf_checkpoint_quantized_at_load(tiny_models, quantization: str) -> None:  # noqa: ANN001
+def test_hf_checkpoint_quantized_at_load(tiny_models, quantization: str) -> None:
     path, hf = tiny_models["llama"]
     ref = LLM(model=path, dtype="float32", num_kv_blocks=64)
     q = LLM(model=path, dtype="float32", num_kv_blocks=64, quantization=quantization)
@@ -121,7 +121,7 @@ def test_random_gguf_shapes_are_the_models() -> None:
     assert np.isclose(per_layer * s.layers / 1e9, 6.98, atol=0.01)  # Llama-3-8B's body, 7.0 B weights
 
 
-def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:  # noqa: ANN001
+def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:
     """gguf_file.open_gguf parses from a plain view of the map, arrays in one loop: the same fields (every value
     type, string and number arrays like a vocabulary's) and the same tensors as gguf's own reader."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -158,7 +158,7 @@ def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:  # noqa: ANN00
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.02])
-def test_a_truncated_file_names_what_is_missing(tmp_path, fraction: float) -> None:  # noqa: ANN001
+def test_a_truncated_file_names_what_is_missing(tmp_path, fraction: float) -> None:
     from pagedllm.errors import ModelLoadError
     from pagedllm.loader import default_model_path
 

@@ -27,7 +27,7 @@ BAD_VALUES = [
 
 
 @pytest.fixture(scope="module")
-def llm(chat_model_dir):  # noqa: ANN001, ANN201
+def llm(chat_model_dir):
     return LLM(chat_model_dir, num_kv_blocks=64, block_size=8)
 
 
@@ -38,7 +38,7 @@ def clean(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("bad", BAD_VALUES, ids=lambda d: next(iter(d)))
-def test_a_bad_value_is_refused_and_the_next_generate_succeeds(llm, bad):  # noqa: ANN001
+def test_a_bad_value_is_refused_and_the_next_generate_succeeds(llm, bad):
     with pytest.raises(InvalidRequestError):
         llm.generate(["hello there"], SamplingParams(**{"max_tokens": 2, **bad}))
     clean(llm)
@@ -47,7 +47,7 @@ def test_a_bad_value_is_refused_and_the_next_generate_succeeds(llm, bad):  # noq
     clean(llm)
 
 
-def test_a_bad_prompt_is_refused_and_leaves_nothing(llm):  # noqa: ANN001
+def test_a_bad_prompt_is_refused_and_leaves_nothing(llm):
     for prompt in ["a\ud800b", "", {"prompt_token_ids": [10**9]}, {"prompt_token_ids": []}, 3.5,
                    "x" * (llm.engine.max_model_len * llm.engine.tokenizer.max_token_chars + 1)]:
         with pytest.raises(InvalidRequestError):
@@ -55,13 +55,13 @@ def test_a_bad_prompt_is_refused_and_leaves_nothing(llm):  # noqa: ANN001
         clean(llm)
 
 
-def test_a_request_failing_inside_a_step_is_aborted_alone(llm, monkeypatch):  # noqa: ANN001
+def test_a_request_failing_inside_a_step_is_aborted_alone(llm, monkeypatch):
     """Any exception from one request's sampling fails that request only: the batch goes on, the
     caller gets the error, its blocks are freed and the engine keeps serving."""
     engine = llm.engine
     process = engine.sampler._process
 
-    def fragile(row, req, eos_ids):  # noqa: ANN001, ANN202
+    def fragile(row, req, eos_ids):
         if req.params.top_k == 7 and req.output_token_ids:
             raise RuntimeError("this request's processor broke")
         return process(row, req, eos_ids)
@@ -87,7 +87,7 @@ def test_a_request_failing_inside_a_step_is_aborted_alone(llm, monkeypatch):  # 
     assert len(llm.generate(["hello there"], GOOD)[0].outputs[0].token_ids) == 4
 
 
-def test_bad_words_are_prepared_once_and_deduplicated(llm):  # noqa: ANN001
+def test_bad_words_are_prepared_once_and_deduplicated(llm):
     words = ["hello", "there", "hello", " hello "] * 200
     params = llm.engine.prepare_params(SamplingParams(bad_words=words))
     ids = params.bad_words_token_ids
@@ -111,7 +111,7 @@ _fields = {
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.fixed_dictionaries({}, optional=_fields))
-def test_any_sampling_params_are_refused_at_construction_or_generate(llm, kwargs):  # noqa: ANN001
+def test_any_sampling_params_are_refused_at_construction_or_generate(llm, kwargs):
     try:
         params = SamplingParams(**kwargs)
     except InvalidRequestError:

@@ -11,7 +11,7 @@ from pagedllm.models.llama import rotate_half
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
+def ops():
     ops = load_ops()
     assert ops is not None, "the C++ ops build on this machine"
     return ops
@@ -47,7 +47,7 @@ def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, pool: torch.dty
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 64, 200])
 @pytest.mark.parametrize("out_features", [48, 70, 96])
-def test_packed_linear(ops, rows, out_features):  # noqa: ANN001
+def test_packed_linear(ops, rows, out_features):
     """Full and partial 48-column panels, full and partial 8-row tiles, with and without bias."""
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 40, generator=g), torch.randn(out_features, 40, generator=g)
@@ -59,7 +59,7 @@ def test_packed_linear(ops, rows, out_features):  # noqa: ANN001
     torch.testing.assert_close(ops.packed_linear(x, packed, None, out_features), F.linear(x, w))
 
 
-def test_rms_norm_with_and_without_residual(ops):  # noqa: ANN001
+def test_rms_norm_with_and_without_residual(ops):
     g = torch.Generator().manual_seed(0)
     x, res, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40, generator=g)
 
@@ -73,7 +73,7 @@ def test_rms_norm_with_and_without_residual(ops):  # noqa: ANN001
     torch.testing.assert_close(out, ref(res + x))
 
 
-def test_rope_in_place_on_q_and_k_heads(ops):  # noqa: ANN001
+def test_rope_in_place_on_q_and_k_heads(ops):
     g = torch.Generator().manual_seed(0)
     t, h, kvh, d = 6, 4, 2, 16
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g)
@@ -85,7 +85,7 @@ def test_rope_in_place_on_q_and_k_heads(ops):  # noqa: ANN001
     torch.testing.assert_close(qkv.view(t, -1, d), expected)  # v heads untouched
 
 
-def test_argmax_rows_first_maximum_and_inf(ops):  # noqa: ANN001
+def test_argmax_rows_first_maximum_and_inf(ops):
     x = torch.randn(7, 1000, generator=torch.Generator().manual_seed(0))
     x[1, 10] = x[1, 500] = 100.0  # tie: the first index wins, as in torch.argmax
     x[2, :] = float("-inf")
@@ -95,14 +95,14 @@ def test_argmax_rows_first_maximum_and_inf(ops):  # noqa: ANN001
     assert ops.argmax_rows(x)[1].item() == 10 and ops.argmax_rows(x)[2].item() == 999
 
 
-def test_silu_and_mul(ops):  # noqa: ANN001
+def test_silu_and_mul(ops):
     x = torch.randn(3, 2 * 50, generator=torch.Generator().manual_seed(0))  # 50: three vectors and a tail of 2
     x[0, :6] = torch.tensor([-1e4, -90.0, -87.5, 87.5, 90.0, 1e4])  # past the exp's clamps, both ways
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :50]) * x[:, 50:])
 
 
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
-def test_paged_attention_reads_every_pool_dtype(ops, kv):  # noqa: ANN001
+def test_paged_attention_reads_every_pool_dtype(ops, kv):
     """Decode rows and a mid-sequence chunk over scattered blocks, against gather + SDPA on the
     same stored (rounded / quantized) values."""
     from pagedllm.attention import build_mask
@@ -131,7 +131,7 @@ def test_paged_attention_reads_every_pool_dtype(ops, kv):  # noqa: ANN001
         assert_attention_close(out[rows], ref[0].transpose(0, 1), dt)
 
 
-def test_build_key_follows_source_flags_and_cpu(tmp_path):  # noqa: ANN001
+def test_build_key_follows_source_flags_and_cpu(tmp_path):
     from pagedllm.kernels import build_key
 
     src = tmp_path / "a.cpp"
@@ -144,7 +144,7 @@ def test_build_key_follows_source_flags_and_cpu(tmp_path):  # noqa: ANN001
     assert k != build_key([src], ["-O3"], "avx2 fma")
 
 
-def test_builds_compile_staged_copies_so_every_checkout_shares_one(tmp_path):  # noqa: ANN001
+def test_builds_compile_staged_copies_so_every_checkout_shares_one(tmp_path):
     """Two checkouts with one key must name the same source paths (ninja redoes a build whose commands
     changed) and must not touch a staged file with the same bytes (ninja goes by modification times)."""
     import os
@@ -169,7 +169,7 @@ def test_builds_compile_staged_copies_so_every_checkout_shares_one(tmp_path):  #
     assert (where / "src" / "k.h").read_text() == "int g();\n"
 
 
-def test_stale_build_lock_is_recovered_not_waited_on(ops):  # noqa: ANN001
+def test_stale_build_lock_is_recovered_not_waited_on(ops):
     """torch's `lock` file left by a killed build used to hang every later start forever."""
     import subprocess
     import sys
@@ -188,7 +188,7 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):  # noqa: ANN001
 
 
 @pytest.mark.parametrize("window", [0, 300])
-def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int):  # noqa: ANN001
+def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int):
     """One decode row (fewer rows than threads) over 1000 keys: the key ranges computed apart and
     merged by their maxima equal one pass (and SDPA), with and without a sliding window."""
     from pagedllm.kv_cache import KVCache
@@ -222,7 +222,7 @@ def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int
 
 
 @pytest.mark.parametrize("build", ["native", "avx2"])
-def test_mask_rows_equals_xgrammars_apply(request, build):  # noqa: ANN001
+def test_mask_rows_equals_xgrammars_apply(request, build):
     """The grammar-mask op (structured outputs) against xgrammar's own CPU apply, on random bitmasks,
     vocabularies that are and are not multiples of 32, and an all-allowed row; also built without
     AVX-512 (the per-bit path other CPUs compile)."""
@@ -249,7 +249,7 @@ def test_mask_rows_equals_xgrammars_apply(request, build):  # noqa: ANN001
         mask_rows_(logits, bits, torch.tensor([12]))
 
 
-def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:  # noqa: ANN001
+def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:
     """rope + K/V write + attention in one call against rope_ by torch, KVCache.write and gather + SDPA:
     two decode rows, a 3-row mid-sequence chunk, and a 4-token fresh prompt (the chunk kernel's over a bf16
     pool; left to the caller over fp32)."""
@@ -302,7 +302,7 @@ def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: 
 
 @pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 24), (4, 2, 16), (14, 2, 64), (4, 4, 128), (16, 4, 80)])
-def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:  # noqa: ANN001
+def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:
     """Every query-head grouping the kernel picks (4, 3, 2 or 1 heads per pass) and head dims that are and
     are not multiples of 16."""
     _attention_qkv_case(ops.attention_qkv, heads, kv_heads, d, pool)
@@ -311,7 +311,7 @@ def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, 
 @pytest.mark.parametrize("heads, kv_heads, d, bs, window", [
     (9, 3, 64, 16, 0), (9, 3, 64, 4, 0), (9, 3, 64, 16, 13), (32, 8, 128, 16, 0), (4, 4, 64, 5, 0), (14, 2, 64, 16, 0),
     (16, 4, 80, 8, 0), (8, 2, 24, 16, 0)])
-def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d: int, bs: int, window: int) -> None:  # noqa: ANN001
+def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d: int, bs: int, window: int) -> None:
     """The chunk kernel (bf16 dot products over 48 lanes of query rows x heads) on fresh prompts and
     mid-sequence chunks over scattered blocks: against the rounded-q-and-p reference, and against the
     decode op on the very same rows (the paths a prompt can take must agree)."""
@@ -358,7 +358,7 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     assert_attention_close(alone, ref[last], torch.bfloat16)
 
 
-def test_attention_without_avx512(ops_avx2) -> None:  # noqa: ANN001
+def test_attention_without_avx512(ops_avx2) -> None:
     """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions
     split into AVX2 halves; bf16::tile's generic loops)."""
     for pool in (torch.float32, torch.bfloat16):
@@ -368,7 +368,7 @@ def test_attention_without_avx512(ops_avx2) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("heads, kv_heads, d, bs", [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 5), (8, 2, 24, 16),
                                                     (16, 4, 80, 8)])
-def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: int, bs: int) -> None:  # noqa: ANN001
+def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: int, bs: int) -> None:
     """Rows of sequences whose tables start with the same blocks (prefix caching): over a bf16 pool the op
     attends those keys once for a slice of rows (shared_prefix_groups says which keys and rows; two prefixes
     that share only a first block are two groups), each row's
@@ -430,7 +430,7 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     assert_attention_close(out, alone, torch.bfloat16)
 
 
-def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path):  # noqa: ANN001
+def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path):
     """ninja and its compilers outlive a builder killed mid-build; the next builder (holding the flock) stops
     whatever still works in the build folder before compiling there itself."""
     import subprocess

@@ -11,7 +11,7 @@ from pagedllm.kv_quant import dequantize, quantize
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float8_e4m3fn, 16 / 448), (torch.float8_e5m2, 4096 / 57344)])
-def test_round_trip_error_is_within_half_an_fp8_step(dtype, bound):  # noqa: ANN001
+def test_round_trip_error_is_within_half_an_fp8_step(dtype, bound):
     torch.manual_seed(0)
     x = torch.randn(500, 3, 64) * torch.logspace(-3, 3, 500).view(-1, 1, 1)  # tokens of very different scale
     x[7, 1] = 0.0  # an all-zero head must survive
@@ -23,7 +23,7 @@ def test_round_trip_error_is_within_half_an_fp8_step(dtype, bound):  # noqa: ANN
     assert torch.equal(y[7, 1], torch.zeros(64))
 
 
-def test_block_counts_follow_budget_and_dtype(llama_dir):  # noqa: ANN001
+def test_block_counts_follow_budget_and_dtype(llama_dir):
     budget = 8 * 2**20
     counts = {}
     for dt in ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"):
@@ -37,7 +37,7 @@ def test_block_counts_follow_budget_and_dtype(llama_dir):  # noqa: ANN001
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16"])
-def test_compact_kv_close_to_fp32(llama_dir, kv):  # noqa: ANN001
+def test_compact_kv_close_to_fp32(llama_dir, kv):
     ids = [(i * 37 + i * i * 11) % 320 for i in range(600)]
     ref = LLM(model=llama_dir, block_size=4)
     llm = LLM(model=llama_dir, kv_cache_dtype=kv, block_size=4)
@@ -66,7 +66,7 @@ def test_default_model_fp8_perplexity_within_2_percent():
     assert ppl["fp8_e4m3"] / ppl["float32"] - 1 < 0.02, ppl
 
 
-def test_bf16_pool_through_the_cpp_op_tracks_the_torch_path(llama_dir):  # noqa: ANN001
+def test_bf16_pool_through_the_cpp_op_tracks_the_torch_path(llama_dir):
     """Over a bf16 pool the C++ attention rounds q and p to bf16 (bf16 dot products; test_kernels checks
     that math exactly), the torch path computes in fp32 on the same pool rows. Whole-model logits (fp32
     weights) then differ by that rounding alone, measured on this tiny model: mean |diff| 3.7e-3 on logits

@@ -17,7 +17,7 @@ FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201
+def ops():
     o = load_ops()
     if o is None:
         pytest.skip("C++ kernels unavailable")
@@ -55,7 +55,7 @@ def quantized_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
-def test_dequantize_is_bit_exact(ops, t: T) -> None:  # noqa: ANN001
+def test_dequantize_is_bit_exact(ops, t: T) -> None:
     raw = random_blocks(t, 37, 512)
     ref = dequantize(raw, t).reshape(37, 512)
     out = ops.dequantize_ggml(torch.from_numpy(raw), int(t), 512, 37, None)
@@ -65,7 +65,7 @@ def test_dequantize_is_bit_exact(ops, t: T) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("k", [512, 96])
-def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: int, k: int) -> None:  # noqa: ANN001
+def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: int, k: int) -> None:
     """Decode-sized batches: exactly ggml's arithmetic (int8 activations per 32) up to fp32 summation
     order; so the only error against fp32 is the activations' rounding, measured below. k = 96: an
     odd number of 32-chunks per row (the AVX-512 path takes chunk pairs, such rows take 256-bit)."""
@@ -85,7 +85,7 @@ def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: i
 
 @pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [40, 300])
-def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, m: int) -> None:  # noqa: ANN001
+def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, m: int) -> None:
     """m = 40: one pass over x per panel; m = 300: panels made in groups, x swept in 128-row blocks.
     100 rows: two full 48-row panels and a partial one."""
     o, k = 100, 512
@@ -97,7 +97,7 @@ def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, 
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_bad_inputs_are_clear_errors(ops) -> None:  # noqa: ANN001
+def test_bad_inputs_are_clear_errors(ops) -> None:
     raw = torch.from_numpy(random_blocks(T.Q4_0, 8, 64))
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_ggml(torch.randn(1, 96), [raw], [int(T.Q4_0)], [8], None, 8)
@@ -106,7 +106,7 @@ def test_bad_inputs_are_clear_errors(ops) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("m", [2, 40])
-def test_parts_of_different_formats_stack_along_the_outputs(ops, m: int) -> None:  # noqa: ANN001
+def test_parts_of_different_formats_stack_along_the_outputs(ops, m: int) -> None:
     """A fused q/k/v of a Q4_K_M file: Q4_K and Q6_K parts, one call, columns in part order."""
     k = 512
     parts = [(random_blocks(T.Q4_K, 40, k, seed=1), T.Q4_K), (random_blocks(T.Q6_K, 24, k, seed=2), T.Q6_K),
@@ -123,7 +123,7 @@ REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
 
 @pytest.mark.parametrize("t", REPACKABLE, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 6, 40, 150, 300])
-def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None:  # noqa: ANN001
+def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None:
     """Where the CPU runs Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked (AVX-512 VNNI): 37 rows = two groups of 16 and a
     padded one. The integer dot takes int16 activations (per 32, scale max|x| / 32767), so it is the
     exact product up to that rounding; the bf16 panels are the same values as from the file's layout;
@@ -151,7 +151,7 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
         assert torch.equal(y, plain)
 
 
-def test_fallback_isa_paths(ops_avx2) -> None:  # noqa: ANN001
+def test_fallback_isa_paths(ops_avx2) -> None:
     """What a CPU without AVX-512 compiles (Zen 3: AVX2), built here by masking this CPU's flags: the
     file layout only (nothing repacked), the same references as above. (The scalar path, for CPUs
     without AVX2, builds with -mno-avx2 too; measured once, not run every time: 1 minute.)"""
@@ -170,7 +170,7 @@ def test_fallback_isa_paths(ops_avx2) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("t", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)
-def test_prompt_rows_take_the_same_path_whatever_the_batch(ops, t: T) -> None:  # noqa: ANN001
+def test_prompt_rows_take_the_same_path_whatever_the_batch(ops, t: T) -> None:
     """decode_rows chooses the path by the rows, not by M: prompt rows are the bf16 panels' whether 3 or 40
     of them come (a prefix-cache hit leaves a few), so each row gets the same bits in either batch; a step of
     decodes alone under 16 rows keeps the integer dot."""

@@ -12,19 +12,19 @@ from pagedllm.workloads import mixed, shared_prefix
 VOCAB = 320
 
 
-def run(llm: LLM, items) -> list[list[int]]:  # noqa: ANN001
+def run(llm: LLM, items) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": w.prompt_token_ids} for w in items],
                         [SamplingParams(temperature=0, max_tokens=w.max_tokens, ignore_eos=True) for w in items])
     return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
-def items():  # noqa: ANN201
+def items():
     return mixed(12, VOCAB, seed=11, prompt_range=(1, 50), output_range=(4, 40))
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir, items):  # noqa: ANN001, ANN201
+def reference(llama_dir, items):
     llm = LLM(model=llama_dir, enable_prefix_caching=False)
     return [run(llm, [w])[0] for w in items]  # one request at a time
 
@@ -38,7 +38,7 @@ def reference(llama_dir, items):  # noqa: ANN001, ANN201
     dict(num_kv_blocks=24, block_size=4),  # tiny pool: preemption
     dict(max_num_seqs=64, block_size=1),
 ], ids=str)
-def test_outputs_neutral(llama_dir, items, reference, opts):  # noqa: ANN001
+def test_outputs_neutral(llama_dir, items, reference, opts):
     llm = LLM(model=llama_dir, **opts)
     assert run(llm, items) == reference
     st = llm.stats()
@@ -47,7 +47,7 @@ def test_outputs_neutral(llama_dir, items, reference, opts):  # noqa: ANN001
         assert st.num_preemptions > 0
 
 
-def test_shared_prefix_is_stored_once(llama_dir):  # noqa: ANN001
+def test_shared_prefix_is_stored_once(llama_dir):
     work = shared_prefix(64, VOCAB, seed=2, prefix_len=512, suffix_range=(1, 15), output_range=(4, 4))
     llm = LLM(model=llama_dir, block_size=16, max_num_batched_tokens=8192)
     run(llm, work)
@@ -60,7 +60,7 @@ def test_shared_prefix_is_stored_once(llama_dir):  # noqa: ANN001
     assert st.peak_kv_blocks_used < 64 * 32 / 10
 
 
-def test_n4_shares_prompt_blocks(llama_dir):  # noqa: ANN001
+def test_n4_shares_prompt_blocks(llama_dir):
     llm = LLM(model=llama_dir, block_size=16)
     out = llm.generate({"prompt_token_ids": list(range(200))},
                        SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20, ignore_eos=True))[0]
@@ -69,7 +69,7 @@ def test_n4_shares_prompt_blocks(llama_dir):  # noqa: ANN001
     assert llm.stats().peak_kv_blocks_used == 12 + 4 * 2
 
 
-def test_small_pool_200_requests_none_lost(llama_dir):  # noqa: ANN001
+def test_small_pool_200_requests_none_lost(llama_dir):
     work = mixed(200, VOCAB, seed=4, prompt_range=(5, 40), output_range=(4, 30))
     ref = run(LLM(model=llama_dir), work)
     llm = LLM(model=llama_dir, block_size=8, num_kv_blocks=90)  # ~10 requests' worth
@@ -79,7 +79,7 @@ def test_small_pool_200_requests_none_lost(llama_dir):  # noqa: ANN001
     assert st.peak_kv_blocks_used <= 90
 
 
-def test_mixed_workload_kv_utilization_above_95_percent(llama_dir):  # noqa: ANN001
+def test_mixed_workload_kv_utilization_above_95_percent(llama_dir):
     engine = LLMEngine(EngineConfig(model=llama_dir, block_size=16, num_kv_blocks=4096, enable_prefix_caching=False))
     for i, w in enumerate(mixed(64, VOCAB, seed=0)):
         engine.add_request(str(i), {"prompt_token_ids": w.prompt_token_ids},

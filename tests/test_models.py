@@ -22,7 +22,7 @@ def prompts_for(vocab: int, seed: int = 1) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     model.generation_config.eos_token_id = None  # like ignore_eos: exactly n tokens, EOS allowed
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -31,7 +31,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
 
 
 @pytest.fixture(scope="module")
-def hf_refs(tiny_models):  # noqa: ANN001, ANN201
+def hf_refs(tiny_models):
     refs = {}
     for arch in ARCHS:
         _, model = tiny_models[arch]
@@ -40,7 +40,7 @@ def hf_refs(tiny_models):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_logits_match_hf(tiny_models, arch):  # noqa: ANN001
+def test_prefill_logits_match_hf(tiny_models, arch):
     path, model = tiny_models[arch]
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16, dtype="float32"))
     prompt = prompts_for(model.config.vocab_size)[6]  # 250 tokens: crosses the sliding window
@@ -56,7 +56,7 @@ def test_prefill_logits_match_hf(tiny_models, arch):  # noqa: ANN001
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("use_op", [True, False])
-def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):  # noqa: ANN001
+def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):
     """A prefill chunk that starts mid-sequence attends causally to the cached blocks."""
     path, model = tiny_models[arch]
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16, dtype="float32"))
@@ -83,7 +83,7 @@ def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):  # noqa: AN
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_size):  # noqa: ANN001
+def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_size):
     path, model = tiny_models[arch]
     prompts = prompts_for(model.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -105,7 +105,7 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
-def test_packed_weights_keep_the_model_shape_accounting(tiny_models):  # noqa: ANN001
+def test_packed_weights_keep_the_model_shape_accounting(tiny_models):
     """With the C++ ops the linears hold panel-packed copies; counts and the torch path survive it."""
     path, hf = tiny_models["llama"]
     engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=16, block_size=16, dtype="float32"))

@@ -39,7 +39,7 @@ def test_gqa_and_fp8_arithmetic():
     assert kv_bytes_per_token(shape, "fp8_e4m3") == 2 * 30 * 3 * (64 + 2)  # + bf16 scale per head
 
 
-def test_plan_cli_json_and_model_sources(tiny_models):  # noqa: ANN001
+def test_plan_cli_json_and_model_sources(tiny_models):
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "plan", "--preset", "seed-7b", "--memory", "80GB",
                         "--max-model-len", "2048", "--json"], capture_output=True, text=True, check=True)
     d = json.loads(r.stdout)
@@ -54,7 +54,7 @@ def test_plan_cli_json_and_model_sources(tiny_models):  # noqa: ANN001
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (30, 3, 64, 49152)
 
 
-def test_weights_per_format_and_a_gguf_as_stored(tmp_path):  # noqa: ANN001
+def test_weights_per_format_and_a_gguf_as_stored(tmp_path):
     """The seed's question for a quantized model: 13B in Q4_0 leaves 18 GB more for KV than in fp16."""
     shape = load_shape(preset="seed-13b")
     fp16 = plan(shape, "80GB", "float16", weight_format="f16")

@@ -13,7 +13,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_len=64, **kw):  # noqa: ANN001, ANN201
+def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_len=64, **kw):
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_len, **kw)
 
 

@@ -67,26 +67,26 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(chat_model_dir):  # noqa: ANN001, ANN201
+def server(chat_model_dir):
     s = Server(chat_model_dir, "--num-kv-blocks", "64", "--block-size", "16", "--served-model-name", "tiny")
     yield s
     assert s.stop() == 0  # SIGTERM: clean shutdown, exit 0
 
 
 @pytest.fixture(scope="module")
-def client(server):  # noqa: ANN001, ANN201
+def client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_health_ready_models(server, client):  # noqa: ANN001
+def test_health_ready_models(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/ready").status_code == 200
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
-def test_completion_stream_equals_non_stream(client):  # noqa: ANN001
+def test_completion_stream_equals_non_stream(client):
     kw = dict(model="tiny", prompt="We hold these truths", max_tokens=24, temperature=0.8, seed=7)
     full = client.completions.create(**kw)
     text = full.choices[0].text
@@ -96,7 +96,7 @@ def test_completion_stream_equals_non_stream(client):  # noqa: ANN001
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_completion_n2_logprobs_echo_token_prompt(client):  # noqa: ANN001
+def test_completion_n2_logprobs_echo_token_prompt(client):
     r = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=5, n=2, temperature=1.0, seed=3,
                                   logprobs=2, echo=True, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in r.choices) == [0, 1]
@@ -111,7 +111,7 @@ def test_completion_n2_logprobs_echo_token_prompt(client):  # noqa: ANN001
     assert sorted(c.index for c in multi.choices) == [0, 1, 2, 3]
 
 
-def test_stop_strings(client):  # noqa: ANN001
+def test_stop_strings(client):
     base = client.completions.create(model="tiny", prompt="The right of", max_tokens=30, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
     # a 2-character piece of the greedy text, past its start, free of replacement characters
@@ -125,7 +125,7 @@ def test_stop_strings(client):  # noqa: ANN001
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
-def test_chat_stream_role_usage_and_cached_tokens(client):  # noqa: ANN001
+def test_chat_stream_role_usage_and_cached_tokens(client):
     msgs = [{"role": "system", "content": "You are terse. " * 12}, {"role": "user", "content": "Say something."}]
     kw = dict(model="tiny", messages=msgs, max_completion_tokens=16, temperature=0.7, seed=11)
     first = client.chat.completions.create(**kw)
@@ -142,7 +142,7 @@ def test_chat_stream_role_usage_and_cached_tokens(client):  # noqa: ANN001
     assert all(len(t.top_logprobs) == 3 for t in lp.choices[0].logprobs.content)
 
 
-def test_tokenize_detokenize(server):  # noqa: ANN001
+def test_tokenize_detokenize(server):
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Four score and seven"}).json()
     assert r["count"] == len(r["tokens"]) > 0
     d = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()
@@ -195,7 +195,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_are_refused_and_server_keeps_serving(server):  # noqa: ANN001
+def test_bad_requests_are_refused_and_server_keeps_serving(server):
     for path, body, status in BAD_REQUESTS:
         r = httpx.post(server.url + path, json=body, timeout=30)
         assert r.status_code == status, (path, body, r.status_code, r.text)
@@ -218,7 +218,7 @@ def test_bad_requests_are_refused_and_server_keeps_serving(server):  # noqa: ANN
     assert server.metric("num_requests_running") == 0 and server.metric("kv_cache_usage_perc") == 0
 
 
-def test_disconnect_mid_stream_frees_blocks(server):  # noqa: ANN001
+def test_disconnect_mid_stream_frees_blocks(server):
     body = {"prompt": "Amendment", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
@@ -232,7 +232,7 @@ def test_disconnect_mid_stream_frees_blocks(server):  # noqa: ANN001
     assert server.metric("request_success_total", '{finished_reason="abort"}') >= 1
 
 
-def test_non_streaming_disconnect_aborts(server):  # noqa: ANN001
+def test_non_streaming_disconnect_aborts(server):
     body = json.dumps({"prompt": "Amendment", "max_tokens": 1000, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:  # send, wait until it runs, hang up
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -247,7 +247,7 @@ def test_non_streaming_disconnect_aborts(server):  # noqa: ANN001
     assert server.metric("num_requests_running") == 0 and server.metric("kv_cache_usage_perc") == 0
 
 
-def test_200_concurrent_streams_on_a_small_pool(chat_model_dir):  # noqa: ANN001
+def test_200_concurrent_streams_on_a_small_pool(chat_model_dir):
     import random
 
     rng = random.Random(0)
@@ -288,7 +288,7 @@ def test_200_concurrent_streams_on_a_small_pool(chat_model_dir):  # noqa: ANN001
         assert srv.stop() == 0
 
 
-def test_api_key_and_queue_limit(chat_model_dir):  # noqa: ANN001
+def test_api_key_and_queue_limit(chat_model_dir):
     srv = Server(chat_model_dir, "--api-key", "sekret", "--max-queue-len", "1", "--max-num-seqs", "1")
     try:
         assert httpx.get(srv.url + "/v1/models").status_code == 401
@@ -318,7 +318,7 @@ def test_api_key_and_queue_limit(chat_model_dir):  # noqa: ANN001
         assert srv.stop() == 0
 
 
-def test_sigterm_with_live_requests_exits_cleanly(chat_model_dir):  # noqa: ANN001
+def test_sigterm_with_live_requests_exits_cleanly(chat_model_dir):
     srv = Server(chat_model_dir, "--shutdown-timeout", "1")
     body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     t0 = time.time()
@@ -335,7 +335,7 @@ def test_sigterm_with_live_requests_exits_cleanly(chat_model_dir):  # noqa: ANN0
     assert time.time() - t0 < 20
 
 
-def test_requests_that_finish_in_their_first_step_are_never_lost(server):  # noqa: ANN001
+def test_requests_that_finish_in_their_first_step_are_never_lost(server):
     """max_tokens 1-2: the final output can arrive before the handler starts reading it."""
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     for _ in range(30):  # one after another on an idle server
@@ -368,7 +368,7 @@ UNSUPPORTED = [
 ]
 
 
-def test_unsupported_fields_are_refused_by_name_not_ignored(server):  # noqa: ANN001
+def test_unsupported_fields_are_refused_by_name_not_ignored(server):
     base = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
     for path, name, value in UNSUPPORTED:
@@ -384,8 +384,8 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(server):  # noqa: AN
         assert r.status_code == 200, (path, r.text)
 
 
-def test_logit_bias_and_allowed_token_ids(server):  # noqa: ANN001
-    def complete(**kw) -> dict:  # noqa: ANN003
+def test_logit_bias_and_allowed_token_ids(server):
+    def complete(**kw) -> dict:
         body = {"prompt": "We the People", "max_tokens": 8, "temperature": 0, "ignore_eos": True, **kw}
         return httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()
 
@@ -410,7 +410,7 @@ def test_logit_bias_and_allowed_token_ids(server):  # noqa: ANN001
 HOSTILE = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}"
 
 
-def test_request_chat_template_refused_unless_trusted(server, chat_model_dir):  # noqa: ANN001
+def test_request_chat_template_refused_unless_trusted(server, chat_model_dir):
     msgs = [{"role": "user", "content": "hi"}]
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "chat_template": "{{ 'x' }}"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"

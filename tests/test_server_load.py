@@ -82,7 +82,7 @@ async def run_one(client: httpx.AsyncClient, url: str, r: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def small_pool_server(chat_model_dir):  # noqa: ANN001, ANN201
+def small_pool_server(chat_model_dir):
     # 48 blocks of 16 = 768 token slots for 300 requests of up to 4 x (30 + 64) tokens: preempts
     s = Server(chat_model_dir, "--num-kv-blocks", "48", "--block-size", "16", "--max-model-len", "384",
                "--max-num-batched-tokens", "256")
@@ -90,7 +90,7 @@ def small_pool_server(chat_model_dir):  # noqa: ANN001, ANN201
     assert s.stop() == 0
 
 
-def test_300_concurrent_mixed_requests_lose_nothing(small_pool_server):  # noqa: ANN001
+def test_300_concurrent_mixed_requests_lose_nothing(small_pool_server):
     srv = small_pool_server
     reqs = make_requests(300)
 
@@ -132,7 +132,7 @@ def test_300_concurrent_mixed_requests_lose_nothing(small_pool_server):  # noqa:
     assert srv.metric("num_preemptions_total") > 0  # the pool was small enough to preempt
 
 
-def test_a_client_that_never_reads_does_not_stall_others(small_pool_server):  # noqa: ANN001
+def test_a_client_that_never_reads_does_not_stall_others(small_pool_server):
     srv = small_pool_server
     body = json.dumps({"prompt": "We the People", "max_tokens": 300, "ignore_eos": True, "n": 4, "stream": True,
                        "logprobs": 5}).encode()
@@ -153,7 +153,7 @@ def test_a_client_that_never_reads_does_not_stall_others(small_pool_server):  # 
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
-def test_fuzzed_requests_never_get_a_5xx(chat_model_dir):  # noqa: ANN001
+def test_fuzzed_requests_never_get_a_5xx(chat_model_dir):
     """schemathesis over the server's own OpenAPI schema, valid and invalid bodies, bounded in examples and
     derandomized. The schema carries the model's bounds (name, vocabulary, max_model_len), so most valid-mode
     generation requests reach the engine and generate."""
@@ -174,7 +174,7 @@ def test_fuzzed_requests_never_get_a_5xx(chat_model_dir):  # noqa: ANN001
                 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
                           suppress_health_check=list(HealthCheck))
                 @given(case=op.as_strategy(generation_mode=mode))
-                def fuzz(case) -> None:  # noqa: ANN001
+                def fuzz(case) -> None:
                     r = case.call(base_url=srv.url, timeout=120)
                     counts[r.status_code] = counts.get(r.status_code, 0) + 1
                     if mode == GenerationMode.POSITIVE and op.path in ("/v1/completions",  # noqa: B023 - called at once

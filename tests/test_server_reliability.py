@@ -35,13 +35,13 @@ HOSTILE = [
 
 
 @pytest.fixture(scope="module")
-def server(chat_model_dir):  # noqa: ANN001, ANN201
+def server(chat_model_dir):
     srv = Server(chat_model_dir, "--header-timeout", "1")
     yield srv
     srv.stop()
 
 
-def test_hostile_inputs_get_400s_fast_while_a_small_request_runs(server):  # noqa: ANN001
+def test_hostile_inputs_get_400s_fast_while_a_small_request_runs(server):
     async def main() -> None:
         async with httpx.AsyncClient(timeout=60) as c:
             small = {"prompt": "hello", "max_tokens": 2, "ignore_eos": True}
@@ -64,15 +64,15 @@ def test_hostile_inputs_get_400s_fast_while_a_small_request_runs(server):  # noq
     asyncio.run(main())
 
 
-def test_template_kwargs_may_set_add_generation_prompt(server):  # noqa: ANN001
+def test_template_kwargs_may_set_add_generation_prompt(server):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
         "chat_template_kwargs": {"add_generation_prompt": False}})
     assert r.status_code == 200, r.text
 
 
-def test_a_chunked_body_over_the_limit_is_a_413(server):  # noqa: ANN001
-    def chunks():  # noqa: ANN202 - no Content-Length: the limit must be found while reading
+def test_a_chunked_body_over_the_limit_is_a_413(server):
+    def chunks():  # no Content-Length: the limit must be found while reading
         piece = b"x" * 2**20
         yield b'{"prompt": "'
         for _ in range(9):
@@ -83,7 +83,7 @@ def test_a_chunked_body_over_the_limit_is_a_413(server):  # noqa: ANN001
     assert r.status_code == 413, r.text
 
 
-def test_idle_and_half_open_connections_are_closed(server):  # noqa: ANN001
+def test_idle_and_half_open_connections_are_closed(server):
     socks = []
     for i in range(100):
         s = socket.create_connection(("127.0.0.1", server.port))
@@ -103,7 +103,7 @@ def test_idle_and_half_open_connections_are_closed(server):  # noqa: ANN001
     assert httpx.get(server.url + "/ready", timeout=5).status_code == 200
 
 
-def test_sigterm_drains_and_ends_every_stream(chat_model_dir):  # noqa: ANN001
+def test_sigterm_drains_and_ends_every_stream(chat_model_dir):
     srv = Server(chat_model_dir, "--shutdown-timeout", "1")
     n = 12
 
@@ -128,7 +128,7 @@ def test_sigterm_drains_and_ends_every_stream(chat_model_dir):  # noqa: ANN001
     assert code == 0, srv.output()[-2000:]
 
 
-def test_a_model_that_cannot_load_ends_the_server(tmp_path):  # noqa: ANN001
+def test_a_model_that_cannot_load_ends_the_server(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     port = free_port()

@@ -120,17 +120,17 @@ SEEDS = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def server():  # noqa: ANN201
+def server():
     s = Server(None, "--max-model-len", "2048", "--kv-cache-memory", "768MiB", "--max-num-seqs", "64")
     yield s
     assert s.stop() == 0
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
-async def _model(c) -> str:  # noqa: ANN001
+async def _model(c) -> str:
     return (await c.models.list()).data[0].id
 
 
@@ -138,7 +138,7 @@ def _messages(what: str) -> list[dict]:
     return [{"role": "user", "content": f"Give me {what} as JSON."}]
 
 
-async def _collect(stream) -> tuple[str, str]:  # noqa: ANN001
+async def _collect(stream) -> tuple[str, str]:
     text, reason = "", None
     async for chunk in stream:
         for ch in chunk.choices:
@@ -147,10 +147,10 @@ async def _collect(stream) -> tuple[str, str]:  # noqa: ANN001
     return text, reason
 
 
-def test_json_schemas_always_validate_streamed_and_not(server):  # noqa: ANN001
+def test_json_schemas_always_validate_streamed_and_not(server):
     from openai import AsyncOpenAI
 
-    async def one(c, model: str, what: str, schema: dict, seed: int, stream: bool) -> tuple[str, str]:  # noqa: ANN001
+    async def one(c, model: str, what: str, schema: dict, seed: int, stream: bool) -> tuple[str, str]:
         kw = dict(model=model, messages=_messages(what), temperature=0.8, seed=seed, max_tokens=400,
                   response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema,
                                                                           "strict": True}})
@@ -173,7 +173,7 @@ def test_json_schemas_always_validate_streamed_and_not(server):  # noqa: ANN001
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_parse_returns_a_pydantic_object(server):  # noqa: ANN001
+def test_parse_returns_a_pydantic_object(server):
     from openai import OpenAI
 
     class City(BaseModel):
@@ -191,7 +191,7 @@ def test_parse_returns_a_pydantic_object(server):  # noqa: ANN001
         assert isinstance(city, City) and city.population >= 0, r
 
 
-def test_regex_choice_grammar_and_json_object(server):  # noqa: ANN001
+def test_regex_choice_grammar_and_json_object(server):
     from openai import AsyncOpenAI
 
     async def main() -> None:
@@ -235,10 +235,10 @@ TOOLS = [
 SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-def test_tool_choice_required_and_named_always_yield_valid_calls(server):  # noqa: ANN001
+def test_tool_choice_required_and_named_always_yield_valid_calls(server):
     from openai import AsyncOpenAI
 
-    async def one(c, model: str, choice, seed: int, parallel: bool, stream: bool) -> list[tuple[str, str, str]]:  # noqa: ANN001
+    async def one(c, model: str, choice, seed: int, parallel: bool, stream: bool) -> list[tuple[str, str, str]]:
         kw = dict(model=model, messages=[{"role": "user", "content": "What is the weather in Paris, and 2 + 3?"}],
                   tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel, temperature=0.8, seed=seed,
                   max_tokens=300)
@@ -281,7 +281,7 @@ def test_tool_choice_required_and_named_always_yield_valid_calls(server):  # noq
             jsonschema.validate(json.loads(args), SCHEMA_OF[name])
 
 
-def test_tool_results_round_trip_and_auto(server):  # noqa: ANN001
+def test_tool_results_round_trip_and_auto(server):
     from openai import OpenAI
 
     c = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -329,7 +329,7 @@ BAD = [
 ]
 
 
-def test_bad_constraints_are_400_with_the_reason(server):  # noqa: ANN001
+def test_bad_constraints_are_400_with_the_reason(server):
     msgs = [{"role": "user", "content": "hi"}]
     for extra, param, needle in BAD:
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, **extra}, timeout=60)

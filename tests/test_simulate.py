@@ -36,7 +36,7 @@ def test_paged_preempts_instead_of_failing():
     assert paged.completed == 6 and paged.preemptions > 0
 
 
-def test_simulate_cli(tmp_path):  # noqa: ANN001
+def test_simulate_cli(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     subprocess.run([sys.executable, "-m", "pagedllm.cli", "simulate", "--preset", "seed-13b", "--kv-memory", "46GB",
                     "--num-requests", "150", "--json", str(out), "--plot", str(png)], check=True, capture_output=True)

@@ -20,7 +20,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "disable_by_batch_size": None}
 
 
-def _req(prompt: list[int], out: list[int] = ()) -> Request:  # noqa: ANN001
+def _req(prompt: list[int], out: list[int] = ()) -> Request:
     r = Request("r", list(prompt), SamplingParams(max_tokens=64))
     r.output_token_ids = list(out)
     return r
@@ -86,7 +86,7 @@ def _repetitive_prompts(n: int, vocab: int = 320, seed: int = 0) -> list[dict]:
     dict(),  # the CPU's auto dtype (bf16 with AVX512-BF16)
     dict(kv_cache_dtype="fp8_e4m3"),
 ])
-def test_greedy_outputs_are_token_identical_with_ngram(llama_dir, options):  # noqa: ANN001
+def test_greedy_outputs_are_token_identical_with_ngram(llama_dir, options):
     prompts = _repetitive_prompts(8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = _outputs(LLM(llama_dir, **options), prompts, params)
@@ -98,7 +98,7 @@ def test_greedy_outputs_are_token_identical_with_ngram(llama_dir, options):  # n
         assert st.num_preemptions > 0
 
 
-def test_greedy_identical_with_prefix_hits_n2_stop_strings_and_logprobs(chat_model_dir):  # noqa: ANN001
+def test_greedy_identical_with_prefix_hits_n2_stop_strings_and_logprobs(chat_model_dir):
     prompts = ["the cat sat on the mat, the cat sat on the mat, the cat", "the cat sat on the mat. And then"]
     params = SamplingParams(temperature=0, max_tokens=30, n=2, logprobs=2, stop=["mat and"])
     plain = LLM(chat_model_dir, block_size=4)
@@ -115,7 +115,7 @@ def test_greedy_identical_with_prefix_hits_n2_stop_strings_and_logprobs(chat_mod
     assert spec[1].num_cached_tokens > 0  # the second prompt hit the first one's prefix
 
 
-def test_structured_outputs_cut_proposals_and_stay_valid(chat_model_dir):  # noqa: ANN001
+def test_structured_outputs_cut_proposals_and_stay_valid(chat_model_dir):
     import re
 
     pattern = r"(ab|abc){6}[0-9]{4}"
@@ -164,7 +164,7 @@ def _two_sample_p(a: list[int], b: list[int]) -> float:
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
-def test_rejection_sampling_keeps_the_target_distribution(with_draft_probs):  # noqa: ANN001
+def test_rejection_sampling_keeps_the_target_distribution(with_draft_probs):
     """The first and second emitted tokens, over 4,000 seeds, against the target's distributions.
     An n-gram proposal is a fixed token (q a point mass); a draft model's is drawn from its q."""
     torch.manual_seed(0)
@@ -189,7 +189,7 @@ def test_rejection_sampling_keeps_the_target_distribution(with_draft_probs):  # 
     assert sum(seconds) > 500  # the first draft was accepted often enough to test the second position
 
 
-def test_sampled_engine_outputs_follow_the_same_distribution(llama_dir):  # noqa: ANN001
+def test_sampled_engine_outputs_follow_the_same_distribution(llama_dir):
     """Second-token frequencies over 1,500 seeds, with and without n-gram speculation, against each
     other: a two-sample chi-square. The prompt holds every token once, so whatever the first sampled
     token is, lookup proposes the one that followed it."""
@@ -214,7 +214,7 @@ def test_sampled_engine_outputs_follow_the_same_distribution(llama_dir):  # noqa
     ("self", dict(num_kv_blocks=24, block_size=4)),  # preemption: both pools roll back together
     ("qwen2", dict(max_num_batched_tokens=16)),  # a different model (mostly rejected), next to chunked prefill
 ])
-def test_greedy_outputs_are_token_identical_with_a_draft_model(tiny_models, draft, options):  # noqa: ANN001
+def test_greedy_outputs_are_token_identical_with_a_draft_model(tiny_models, draft, options):
     target = tiny_models["llama"][0]
     cfg = {"method": "draft_model", "model": target if draft == "self" else tiny_models[draft][0],
            "num_speculative_tokens": 3, "disable_by_batch_size": None}
@@ -231,7 +231,7 @@ def test_greedy_outputs_are_token_identical_with_a_draft_model(tiny_models, draf
         assert st.num_preemptions > 0
 
 
-def test_draft_model_sampling(tiny_models):  # noqa: ANN001
+def test_draft_model_sampling(tiny_models):
     target = tiny_models["llama"][0]
     llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3,
                                           "disable_by_batch_size": None})
@@ -241,7 +241,7 @@ def test_draft_model_sampling(tiny_models):  # noqa: ANN001
     assert llm.stats().spec_num_accepted_tokens > 0
 
 
-def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):  # noqa: ANN001
+def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):
     import re
 
     from pagedllm.loader import default_model_path
@@ -259,7 +259,7 @@ def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):  #
         LLM(chat_model_dir, speculative_config={"method": "draft_model", "model": str(default_model_path())})
 
 
-def test_server_flag_and_prometheus_counters(chat_model_dir):  # noqa: ANN001
+def test_server_flag_and_prometheus_counters(chat_model_dir):
     import httpx
     from test_server import Server
 

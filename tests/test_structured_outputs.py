@@ -59,7 +59,7 @@ def test_bound_integers_gives_unbounded_integers_int64_range():
     assert p["d"] == {"type": "number"} and p["e"] == {"enum": [{"type": "integer"}]}
 
 
-def test_default_model_outputs_validate_for_every_kind(smollm):  # noqa: ANN001
+def test_default_model_outputs_validate_for_every_kind(smollm):
     msgs = [{"role": "user", "content": "Describe a person as JSON."}]
     cases = [({"json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
              ({"regex": r"[A-Z][a-z]{2,8} [0-9]{1,3}"}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}", t) or 1 / 0),
@@ -74,7 +74,7 @@ def test_default_model_outputs_validate_for_every_kind(smollm):  # noqa: ANN001
             assert c.token_ids[-1] in smollm.engine.eos_token_ids  # it ended where the grammar may end
 
 
-def test_special_tokens_are_never_allowed_inside_an_output(smollm):  # noqa: ANN001
+def test_special_tokens_are_never_allowed_inside_an_output(smollm):
     e = smollm.engine
     compiled = e.compile_grammar(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string"}},
                                                                "required": ["a"]}))
@@ -89,7 +89,7 @@ def test_special_tokens_are_never_allowed_inside_an_output(smollm):  # noqa: ANN
     assert len(allowed) > 40000  # but nearly everything else is
 
 
-def test_compile_is_cached_and_errors_carry_the_compilers_message(smollm):  # noqa: ANN001
+def test_compile_is_cached_and_errors_carry_the_compilers_message(smollm):
     e = smollm.engine
     spec = StructuredOutputsParams(regex="[0-9]{4}-cached")
     before = e.structured.stats.num_compiles
@@ -106,7 +106,7 @@ def test_compile_is_cached_and_errors_carry_the_compilers_message(smollm):  # no
     assert not e.has_unfinished_requests()
 
 
-def test_grammar_wins_over_min_tokens_and_stop_strings_cut_it(smollm):  # noqa: ANN001
+def test_grammar_wins_over_min_tokens_and_stop_strings_cut_it(smollm):
     out = smollm.generate("Answer:", SamplingParams(temperature=0.8, seed=1, max_tokens=20, min_tokens=6,
                                                     structured_outputs={"choice": ["yes", "no"]}))
     assert out[0].outputs[0].text in ("yes", "no") and out[0].outputs[0].finish_reason == "stop"
@@ -115,7 +115,7 @@ def test_grammar_wins_over_min_tokens_and_stop_strings_cut_it(smollm):  # noqa: 
     assert re.fullmatch("[a-z]{3}", out[0].outputs[0].text) and out[0].outputs[0].stop_reason == "-"
 
 
-def test_tool_structural_tags_compile_and_constrain(smollm):  # noqa: ANN001
+def test_tool_structural_tags_compile_and_constrain(smollm):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
     for fmt in (HERMES, LLAMA3_JSON):
@@ -131,7 +131,7 @@ def test_tool_structural_tags_compile_and_constrain(smollm):  # noqa: ANN001
 
 @pytest.mark.parametrize("options", [dict(num_kv_blocks=12, block_size=16),  # preempts
                                      dict(kv_cache_dtype="fp8_e4m3"), dict(dtype="bfloat16")])
-def test_tiny_model_grammar_holds_under_preemption_and_dtypes(chat_model_dir, options):  # noqa: ANN001
+def test_tiny_model_grammar_holds_under_preemption_and_dtypes(chat_model_dir, options):
     llm = LLM(chat_model_dir, max_num_seqs=8, **options)
     pattern = r"(ab|cd){10}[0-9]{5}"
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, n=1 + i % 2,

@@ -32,7 +32,7 @@ def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):  # noqa: ANN001
+def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):
     path = tiny_models[arch][0]
     base = LLM(path, **OPTIONS)
     expected = _run(base, 1)
@@ -86,12 +86,12 @@ def test_plan_diffs_rebuild_the_drivers_tables():
     assert (rebuilt.request.tokens_slice(3, 4), rebuilt.completes) == ([9], True)
 
 
-def test_divisibility_is_a_clear_startup_error(tiny_models):  # noqa: ANN001
+def test_divisibility_is_a_clear_startup_error(tiny_models):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads"):
         LLM(tiny_models["llama"][0], tensor_parallel_size=3)
 
 
-def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):  # noqa: ANN001
+def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):
     llm = LLM(tiny_models["llama"][0], tensor_parallel_size=2, **OPTIONS)
     try:
         llm.generate(_prompts(2)[:2], SamplingParams(max_tokens=4))
@@ -107,7 +107,7 @@ def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models): 
     assert llm.engine.tp.closed
 
 
-def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):  # noqa: ANN001
+def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):
     from pathlib import Path
 
     import httpx
@@ -131,7 +131,7 @@ def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):  # n
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
-def test_tp2_runs_a_gguf_in_its_own_formats_sharded_along_whole_blocks(tmp_path, qtype):  # noqa: ANN001
+def test_tp2_runs_a_gguf_in_its_own_formats_sharded_along_whole_blocks(tmp_path, qtype):
     from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
 
     path = str(write_random_gguf(tmp_path / f"{qtype}.gguf", SHAPES["tiny"], qtype, seed=1, std=0.08))

@@ -26,7 +26,7 @@ def gguf_tok() -> Tokenizer:
     return tok
 
 
-def test_gguf_tokenizer_matches_hf_built_from_same_gguf(gguf_tok):  # noqa: ANN001
+def test_gguf_tokenizer_matches_hf_built_from_same_gguf(gguf_tok):
     from transformers import AutoTokenizer
 
     path = default_model_path()
@@ -37,7 +37,7 @@ def test_gguf_tokenizer_matches_hf_built_from_same_gguf(gguf_tok):  # noqa: ANN0
         assert gguf_tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False)
 
 
-def test_special_tokens_and_template(gguf_tok):  # noqa: ANN001
+def test_special_tokens_and_template(gguf_tok):
     assert gguf_tok.eos_token == "<|im_end|>" and gguf_tok.eos_token_id == 2
     assert gguf_tok.encode("<|im_start|>") == [1]
     text = gguf_tok.apply_chat_template([{"role": "user", "content": "Hi"}])
@@ -45,7 +45,7 @@ def test_special_tokens_and_template(gguf_tok):  # noqa: ANN001
 
 
 @pytest.mark.parametrize("text", MULTILINGUAL)
-def test_incremental_detokenization_equals_full_decode(gguf_tok, text):  # noqa: ANN001
+def test_incremental_detokenization_equals_full_decode(gguf_tok, text):
     ids = gguf_tok.encode(text)
     d = IncrementalDetokenizer(gguf_tok, skip_special_tokens=True)
     streamed = "".join(d.add(i) for i in ids) + d.flush()
@@ -53,7 +53,7 @@ def test_incremental_detokenization_equals_full_decode(gguf_tok, text):  # noqa:
     assert "\ufffd" not in streamed
 
 
-def test_split_multibyte_characters_never_leak_replacement_chars(gguf_tok):  # noqa: ANN001
+def test_split_multibyte_characters_never_leak_replacement_chars(gguf_tok):
     # byte-level tokens of one emoji, fed one by one: nothing shows until the character is whole
     ids = gguf_tok.encode("🦙")
     assert len(ids) > 1

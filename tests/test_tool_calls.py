@@ -35,7 +35,7 @@ def test_format_follows_the_chat_template():
 
 
 @pytest.mark.parametrize("fmt,text", [(HERMES, HERMES_TEXT), (LLAMA3_JSON, LLAMA_TEXT)])
-def test_parse_whole_and_streamed_agree(fmt, text):  # noqa: ANN001
+def test_parse_whole_and_streamed_agree(fmt, text):
     parsed = parse_tool_calls(text, fmt, final=True)
     calls = tool_calls_message(parsed)
     assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]

@@ -37,7 +37,7 @@ class PeakRSS:
 
 
 @contextmanager
-def track_peak_rss(interval: float = 0.02):  # noqa: ANN201
+def track_peak_rss(interval: float = 0.02):
     """Peak resident memory of this process while the block runs (sampled)."""
     result = PeakRSS(_rss_bytes())
     stop = threading.Event()
@@ -56,7 +56,7 @@ def track_peak_rss(interval: float = 0.02):  # noqa: ANN201
         result.peak = max(result.peak, _rss_bytes())
 
 
-def load_workload(name: str, num_requests: int, vocab_size: int, seed: int, tokenizer=None) -> list[WorkItem]:  # noqa: ANN001
+def load_workload(name: str, num_requests: int, vocab_size: int, seed: int, tokenizer=None) -> list[WorkItem]:
     if name == "mixed":
         return mixed(num_requests, vocab_size, seed)
     if name == "shared-prefix":
@@ -66,7 +66,7 @@ def load_workload(name: str, num_requests: int, vocab_size: int, seed: int, toke
     raise ValueError(f"unknown workload {name!r}: mixed, shared-prefix or a .jsonl file")
 
 
-def make_report(bench: str, args, engine_kwargs: dict | None, **results) -> dict:  # noqa: ANN001
+def make_report(bench: str, args, engine_kwargs: dict | None, **results) -> dict:
     """Every number of a bench run with its configuration and the machine, as --json writes it."""
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
     if engine_kwargs is not None:
@@ -84,7 +84,7 @@ def now() -> float:
     return time.perf_counter()
 
 
-def median_time(fn, reps: int = 7) -> float:  # noqa: ANN001
+def median_time(fn, reps: int = 7) -> float:
     """Median wall time of fn() over reps calls, after one warm-up call (the microbenchmarks)."""
     import statistics
 

@@ -144,7 +144,7 @@ def workload_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     steps: list[tuple[int, int, int, int]] = []  # per step: tokens, sampled rows, attended keys, KV tokens read
     execute = engine.runner.execute
 
-    def recorded(sched, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def recorded(sched, *a, **k):
         tokens = sampled = keys = kv = 0
         for s in sched.scheduled:
             start, n = s.request.num_computed_tokens, s.num_new_tokens

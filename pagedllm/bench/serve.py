@@ -37,7 +37,7 @@ def percentiles(xs: list[float]) -> dict:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": statistics.fmean(s)}
 
 
-async def _one(client, url: str, w: WorkItem, headers: dict) -> dict:  # noqa: ANN001
+async def _one(client, url: str, w: WorkItem, headers: dict) -> dict:
     body = {"prompt": w.prompt_token_ids, "max_tokens": w.max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = now()
@@ -64,7 +64,7 @@ async def _one(client, url: str, w: WorkItem, headers: dict) -> dict:  # noqa: A
             "itl": [b - a for a, b in zip(times, times[1:])]}
 
 
-async def _interfere(client, url: str, chars: int, interval: float, headers: dict, done: asyncio.Event,  # noqa: ANN001
+async def _interfere(client, url: str, chars: int, interval: float, headers: dict, done: asyncio.Event,
                      seed: int) -> list[int]:
     """Big text prompts, one after another until done: their statuses (a prompt past max_model_len is a 400,
     after the server has tokenized it: the cost being measured)."""

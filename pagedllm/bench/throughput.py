@@ -222,7 +222,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     return report
 
 
-def engine_model_folder(model: str | None):  # noqa: ANN201
+def engine_model_folder(model: str | None):
     """The HF folder holding the engine's weights (a GGUF is converted into one, in the cache)."""
     from pathlib import Path
 

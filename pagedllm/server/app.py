@@ -61,10 +61,10 @@ class APIError(Exception):
 
 
 class APIKeyMiddleware:
-    def __init__(self, app, api_key: str) -> None:  # noqa: ANN001
+    def __init__(self, app, api_key: str) -> None:
         self.app, self.api_key = app, api_key
 
-    async def __call__(self, scope, receive, send):  # noqa: ANN001, ANN204
+    async def __call__(self, scope, receive, send):
         # the dashboard's page and scripts carry no data (its snapshot endpoint is behind the key)
         path = scope.get("path", "")
         if scope["type"] == "http" and path not in ("/health", "/ready", "/metrics", "/dashboard") \
@@ -93,7 +93,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         app.state.fatal = reason
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def ready(e) -> None:  # noqa: ANN001
+    def ready(e) -> None:
         bm = e.block_manager
         log.info("pagedllm serving %s at %s (KV pool: %d blocks x %d tokens = %d tokens, %.0f MiB; "
                  "max_model_len %d)", served_model_name or e.model_name, address or "?", bm.num_blocks,
@@ -104,7 +104,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
     engine.on_ready = ready
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
+    async def lifespan(app: FastAPI):
         await engine.start()
         yield
         if not await engine.stop(timeout=5.0):
@@ -129,7 +129,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
     def model_name() -> str:
         return served_model_name or (engine.engine.model_name if engine.engine else "pagedllm")
 
-    def core():  # noqa: ANN202
+    def core():
         if engine.engine is None:
             if engine.load_error:
                 raise APIError(503, f"model failed to load: {engine.load_error}", "service_unavailable")
@@ -305,7 +305,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
                         out = fut.result()
                     except StopAsyncIteration:
                         continue
-                    except Exception as ex:  # noqa: BLE001 - the engine failed this request
+                    except Exception as ex:
                         raise APIError(500, str(ex), "server_error") from ex
                     pending[asyncio.ensure_future(its[i].__anext__())] = i
                     yield i, out
@@ -349,10 +349,10 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
     def sse(obj: dict | str) -> str:
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def token_str(e, t: int) -> str:  # noqa: ANN001
+    def token_str(e, t: int) -> str:
         return e.tokenizer.decode([t], skip_special_tokens=False) if e.tokenizer else str(t)
 
-    def completion_logprobs(e, token_ids: list[int], lps: list, offset0: int) -> dict:  # noqa: ANN001
+    def completion_logprobs(e, token_ids: list[int], lps: list, offset0: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         off = offset0
         for t, lp in zip(token_ids, lps):
@@ -364,7 +364,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
             off += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def chat_logprobs(e, token_ids: list[int], lps: list, k: int) -> dict:  # noqa: ANN001
+    def chat_logprobs(e, token_ids: list[int], lps: list, k: int) -> dict:
         content = []
         for t, lp in zip(token_ids, lps):
             s = token_str(e, t)
@@ -456,7 +456,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    def render_chat(e, req: ChatCompletionRequest, tools: list[dict]) -> dict:  # noqa: ANN001 - a worker thread
+    def render_chat(e, req: ChatCompletionRequest, tools: list[dict]) -> dict:  # a worker thread
         template = req.chat_template or e.tokenizer.chat_template
         knows = template_knows_tools(template)
         messages = template_messages([m.template_dict() for m in req.messages], tools, knows)
@@ -517,7 +517,7 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
         streams = await submit([prompt], params, req, "chatcmpl")
         created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], model_name()
 
-        def message(c) -> tuple[dict, str | None]:  # noqa: ANN001
+        def message(c) -> tuple[dict, str | None]:
             if not tools:
                 return {"role": "assistant", "content": c.text}, c.finish_reason
             parsed = parse_tool_calls(c.text, fmt, final=True)

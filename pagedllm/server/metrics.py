@@ -17,7 +17,7 @@ class _StatsCollector:
     def __init__(self, snapshot: Callable[[], EngineStats | None]) -> None:
         self.snapshot = snapshot
 
-    def collect(self):  # noqa: ANN201
+    def collect(self):
         s = self.snapshot()
         if s is None:
             return

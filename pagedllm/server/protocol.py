@@ -187,7 +187,7 @@ class _Sampling(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, v):  # noqa: ANN001, ANN206
+    def _stop(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
         if len(stops) > 16 or any(not s for s in stops):
             raise ValueError("stop must be at most 16 non-empty strings")
@@ -203,14 +203,14 @@ class CompletionRequest(_Sampling, _Structured):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of(cls, v, info):  # noqa: ANN001, ANN206
+    def _best_of(cls, v, info):
         if v is not None and v != info.data.get("n", 1):
             raise ValueError("best_of other than n is not supported by this server")
         return v
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v):  # noqa: ANN001, ANN206
+    def _prompt(cls, v):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
         if isinstance(v, list) and len(v) > 256 and isinstance(v[0], (str, list)):
@@ -259,7 +259,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     @model_validator(mode="after")
-    def _tool_fields(self):  # noqa: ANN202
+    def _tool_fields(self):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
         if self.tool_calls and self.role != "assistant":
@@ -291,7 +291,7 @@ class ChatCompletionRequest(_Sampling, _Structured):
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _template_kwargs(cls, v):  # noqa: ANN001, ANN206
+    def _template_kwargs(cls, v):
         taken = sorted(set(v or ()) & {"messages", "chat_template", "tools", "documents"})
         if taken:
             raise ValueError(f"{taken[0]} is a request field, not a chat_template_kwargs entry")
