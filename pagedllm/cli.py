@@ -133,7 +133,7 @@ def cmd_random_gguf(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .bench.random_gguf import SHAPES, write_random_gguf
-    from .loader import default_model_path
+    from .model_executor.model_loader import default_model_path
 
     types = dict(kv.split("=", 1) for kv in args.types.split(",")) if args.types else None
     out = write_random_gguf(Path(args.out), SHAPES[args.shape], args.type, args.seed, types,

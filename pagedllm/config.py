@@ -78,6 +78,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # worker processes over torch.distributed (tensor_parallel.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for per token (vLLM's max_logprobs)
     speculative_config: Any = None  # vLLM's: {"method": "ngram" | "draft_model", ...} or JSON; parsed into a SpeculativeConfig
+    model_registry: Any = None  # a ModelRegistry with architectures of one's own (None: the built-in ones)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

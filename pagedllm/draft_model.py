@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError
-from .loader import LoadedModel
+from .model_executor.model_loader import LoadedModel
 from .model_runner import ModelRunner
 from .request import Request
 from .scheduler import ScheduledRequest, SchedulerOutput

@@ -16,7 +16,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, available_memory_bytes, parse_size
 from .errors import ConfigError, InvalidRequestError
 from .kv_cache import KVCache
-from .loader import load_model
+from .model_executor.model_loader import load_model
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .request import Request, RequestStatus
@@ -90,14 +90,17 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             if config.speculative_config is not None and config.speculative_config.method == "draft_model":
                 raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
-            from .loader import peek_config
-            from .tensor_parallel import TPDriver, check_divisible
+            from .distributed import check_divisible
+            from .model_executor.model_loader import peek_config
+            from .tensor_parallel import TPDriver
 
-            check_divisible(peek_config(config.model), config.tensor_parallel_size)  # before any process starts
+            # before any process starts
+            check_divisible(peek_config(config.model, config.model_registry), config.tensor_parallel_size)
             self.tp = TPDriver(config)
             weakref.finalize(self, self.tp.close)  # the workers stop with the engine, or at exit
         try:
-            loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None)
+            loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None,
+                                config.model_registry)
         except BaseException:
             if self.tp is not None:
                 self.tp.close()
@@ -114,7 +117,7 @@ class LLMEngine:
         self.spec: SpeculativeConfig | None = config.speculative_config
         draft = None
         if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
-            draft = load_model(self.spec.model, config.dtype, config.quantization)
+            draft = load_model(self.spec.model, config.dtype, config.quantization, registry=config.model_registry)
             dc = draft.config
             bytes_per_token += dc.num_layers * cache_cls.bytes_per_token(dc.num_kv_heads, dc.head_dim, kv_dtype)
         bytes_per_block = bytes_per_token * bs

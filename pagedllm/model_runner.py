@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .attention import AttentionMetadata, ChunkRows, PagedRows, PrefillSeq, build_decode_mask, build_mask
 from .kv_cache import KVCache
 from .kv_quant import FP8KVCache
-from .models.llama import LlamaForCausalLM
 from .request import Request
 from .scheduler import ScheduledRequest, SchedulerOutput
 
@@ -27,7 +27,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype, cache_factory=KVCache) -> None:
         self.model = model
         self.block_size = block_size

@@ -1,9 +1,10 @@
-"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): Megatron-style sharding,
-the workers' loop, and the driver that feeds them one message per step.
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): the workers' loop and the
+driver that feeds them one message per step.
 
-Sharding: qkv and gate_up are column-parallel (each rank its heads / its slice of the MLP), o and
-down row-parallel with one all-reduce each; the embedding and lm_head are vocab-parallel (a masked
-lookup + all-reduce, logits all-gathered); each rank's KV pool holds its KV heads, with the same
+Sharding (cut by the weight loaders as they read): qkv and gate_up are column-parallel (each rank its
+heads / its slice of the MLP), o and down row-parallel with one all-reduce each; the embedding and
+lm_head are vocab-parallel (a masked lookup + all-reduce, logits all-gathered);
+each rank's KV pool holds its KV heads, with the same
 block ids everywhere. The scheduler and block manager stay single, in the driver (rank 0, the
 engine); each step it broadcasts the scheduled work as diffs: new tokens per request, the tail of
 each block table from its first changed entry, copies, and finished requests.
@@ -25,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from .distributed import TPGroup
 from .errors import ConfigError, PagedLLMError
 
 log = logging.getLogger("pagedllm")
@@ -35,81 +36,6 @@ TIMEOUT = timedelta(seconds=60)  # a collective that waits longer than this fail
 
 class WorkerDiedError(PagedLLMError):
     """A tensor-parallel worker exited or stopped answering: the engine cannot step any more."""
-
-
-@dataclass
-class TPGroup:
-    rank: int
-    world: int
-    bytes_all_reduced: int = 0  # this rank's contribution, counted for the README's figures
-    bytes_gathered: int = 0
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
-        self.bytes_all_reduced += x.numel() * x.element_size()
-        return x
-
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] on each rank -> [..., world * n], rank order."""
-        self.bytes_gathered += x.numel() * x.element_size()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, -1)
-
-
-def check_divisible(cfg: Any, world: int) -> None:
-    for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
-        if n % world:
-            raise ConfigError(f"tensor_parallel_size={world} does not divide the model's {name} ({n})")
-
-
-def _rows(w: torch.Tensor, lo: int, hi: int) -> nn.Parameter:
-    return nn.Parameter(w[lo:hi].clone(), requires_grad=False)
-
-
-def shard_model(model: nn.Module, tp: TPGroup, weights_done: bool = False) -> None:
-    """In place, on dense weights (before any packing): keep this rank's slices. weights_done: the
-    loader already cut them (a GGUF's blocks, along whole blocks); only the shapes are set."""
-    cfg, r, n = model.cfg, tp.rank, tp.world
-    check_divisible(cfg, n)
-    d = cfg.head_dim
-    hq, hk, inter = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.intermediate_size // n
-    q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
-    v = cfg.vocab_size // n
-    model.vocab_range = (r * v, (r + 1) * v)
-    model.tp = tp
-    for layer in model.layers:
-        layer.num_heads, layer.num_kv_heads = hq, hk
-        layer.q_size, layer.kv_size = hq * d, hk * d
-        layer.tp = tp
-    if weights_done:
-        return
-    for layer in model.layers:
-        rows = [*range(r * hq * d, (r + 1) * hq * d),
-                *range(q_all + r * hk * d, q_all + (r + 1) * hk * d),
-                *range(q_all + kv_all + r * hk * d, q_all + kv_all + (r + 1) * hk * d)]
-        idx = torch.tensor(rows)
-        qkv = layer.qkv_proj
-        qkv.weight = nn.Parameter(qkv.weight.data[idx].clone(), requires_grad=False)  # [(hq + 2 hk) d, hidden]
-        if qkv.bias is not None:
-            qkv.bias = nn.Parameter(qkv.bias.data[idx].clone(), requires_grad=False)
-        gu = layer.gate_up_proj
-        mine = torch.arange(r * inter, (r + 1) * inter)
-        idx = torch.cat([mine, cfg.intermediate_size + mine])  # its gate rows, then its up rows
-        gu.weight = nn.Parameter(gu.weight.data[idx].clone(), requires_grad=False)  # [2 inter / n, hidden]
-        if gu.bias is not None:
-            gu.bias = nn.Parameter(gu.bias.data[idx].clone(), requires_grad=False)
-        for lin, lo, hi in ((layer.o_proj, r * hq * d, (r + 1) * hq * d), (layer.down_proj, r * inter, (r + 1) * inter)):
-            lin.weight = nn.Parameter(lin.weight.data[:, lo:hi].clone(), requires_grad=False)  # row-parallel
-            if lin.bias is not None and r:
-                lin.bias = nn.Parameter(torch.zeros_like(lin.bias.data), requires_grad=False)  # added once, on rank 0
-            lin.in_features = hi - lo
-        qkv.out_features, gu.out_features = qkv.weight.shape[0], gu.weight.shape[0]
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    model.embed_tokens.weight = _rows(model.embed_tokens.weight.data, r * v, (r + 1) * v)
-    model.lm_head.weight = model.embed_tokens.weight if tied else _rows(model.lm_head.weight.data, r * v, (r + 1) * v)
-    model.lm_head.out_features = v
 
 
 # ---- the step message ------------------------------------------------------------------------
@@ -181,7 +107,7 @@ def _broadcast(obj: Any) -> Any:
 def run_worker(rank: int, world: int, init_method: str, config: Any, started: Any = None) -> None:
     """A rank > 0: load its shard, then run whatever the driver broadcasts until it says stop."""
     from .allocator import keep_freed_memory
-    from .loader import load_model
+    from .model_executor.model_loader import load_model
     from .model_runner import ModelRunner
 
     keep_freed_memory()
@@ -190,7 +116,7 @@ def run_worker(rank: int, world: int, init_method: str, config: Any, started: An
         started.set()  # imported and about to join: the driver may wait in the rendezvous now
     tp = _init(rank, world, init_method)
     try:
-        loaded = load_model(config.model, config.dtype, config.quantization, tp=tp)
+        loaded = load_model(config.model, config.dtype, config.quantization, tp=tp, registry=config.model_registry)
         num_blocks, block_size, kv_dtype, cache_cls = _broadcast(None)
         runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls)
         tables: dict[str, list[int]] = {}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from test_server import Server
+from helpers import Server
 
 
 def run_bench(*args: str) -> None:
@@ -131,7 +131,7 @@ def test_f32_gguf_for_llamacpp_keeps_metadata_and_weights(tmp_path, monkeypatch)
     from gguf.quants import dequantize
 
     from pagedllm.bench.llamacpp import f32_gguf
-    from pagedllm.loader import default_model_path
+    from pagedllm.model_executor.model_loader import default_model_path
 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     src = GGUFReader(str(default_model_path()))

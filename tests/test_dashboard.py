@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server import Server
+from helpers import Server
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SYSTEM = "You are a careful assistant. Answer in two short sentences, citing one fact. " * 6

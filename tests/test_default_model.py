@@ -46,7 +46,7 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path):
     """A fresh venv installs the same GGUF at another path: it must reuse the converted folder."""
     import shutil
 
-    from pagedllm.loader import default_model_path, gguf_cache_key
+    from pagedllm.model_executor.model_loader import default_model_path, gguf_cache_key
 
     src = default_model_path()
     copy = tmp_path / src.name

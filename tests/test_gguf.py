@@ -160,7 +160,7 @@ def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:
 @pytest.mark.parametrize("fraction", [0.5, 0.02])
 def test_a_truncated_file_names_what_is_missing(tmp_path, fraction: float) -> None:
     from pagedllm.errors import ModelLoadError
-    from pagedllm.loader import default_model_path
+    from pagedllm.model_executor.model_loader import default_model_path
 
     data = default_model_path().read_bytes()
     cut = tmp_path / "cut.gguf"

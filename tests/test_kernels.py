@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import load_ops, pack_weight, pad_bias, unpack_weight
-from pagedllm.models.llama import rotate_half
+from pagedllm.model_executor.models.llama import rotate_half
 
 
 @pytest.fixture(scope="module")

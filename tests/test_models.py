@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from helpers import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
@@ -20,14 +21,6 @@ PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]
 def prompts_for(vocab: int, seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    model.generation_config.eos_token_id = None  # like ignore_eos: exactly n tokens, EOS allowed
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")

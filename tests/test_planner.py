@@ -48,7 +48,7 @@ def test_plan_cli_json_and_model_sources(tiny_models):
     folder = tiny_models["qwen2"][0]
     assert load_shape(folder).num_kv_heads == 2
     assert load_shape(folder + "/config.json").num_layers == 2
-    from pagedllm.loader import default_model_path
+    from pagedllm.model_executor.model_loader import default_model_path
 
     g = load_shape(str(default_model_path()))
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (30, 3, 64, 49152)

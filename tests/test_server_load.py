@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from test_server import Server
+from helpers import Server
 
 MAX_TOKENS = [1, 1, 1, 1, 2, 3, 5, 8, 16, 32, 64]
 

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from test_server import Server, free_port
+from helpers import Server, free_port
 
 HOSTILE = [
     ("/v1/completions", {"prompt": "a\ud800b"}),

@@ -10,8 +10,8 @@ import re
 import httpx
 import jsonschema
 import pytest
+from helpers import Server
 from pydantic import BaseModel, Field
-from test_server import Server
 
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 40},
                                             "city": {"type": "string", "maxLength": 30},

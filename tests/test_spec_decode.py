@@ -244,7 +244,7 @@ def test_draft_model_sampling(tiny_models):
 def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):
     import re
 
-    from pagedllm.loader import default_model_path
+    from pagedllm.model_executor.model_loader import default_model_path
 
     pattern = r"(ab|cd){8}[0-9]{3}"
     cfg = {"method": "draft_model", "model": chat_model_dir, "num_speculative_tokens": 3, "disable_by_batch_size": None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.bench.hf_folder import gguf_to_hf_folder
-from pagedllm.loader import default_model_path
+from pagedllm.model_executor.model_loader import default_model_path
 from pagedllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTILINGUAL = [

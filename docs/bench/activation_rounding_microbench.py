@@ -12,7 +12,7 @@ from pagedllm.kernels import load_ops
 ops = load_ops()
 
 
-def best(f, reps: int = 10) -> float:  # noqa: ANN001
+def best(f, reps: int = 10) -> float:
     f()
     times = []
     for _ in range(reps):

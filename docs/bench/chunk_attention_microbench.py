@@ -16,7 +16,7 @@ H, KVH, D, BS = 9, 3, 64, 16
 scratch = torch.empty(0, dtype=torch.uint8)
 
 
-def best_ms(fn, flops: float) -> float:  # noqa: ANN001
+def best_ms(fn, flops: float) -> float:
     fn()
     n, best = max(3, int(2e8 / flops)), 1e9
     for _ in range(5):

@@ -20,7 +20,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.bench.llamacpp import f32_gguf
 from pagedllm.evaluate import chunk_logits
-from pagedllm.loader import default_model_path
+from pagedllm.model_executor.model_loader import default_model_path
 
 
 def stats(ref: np.ndarray, other: np.ndarray, targets: np.ndarray) -> dict:

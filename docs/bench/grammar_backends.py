@@ -15,7 +15,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
 from pagedllm.bench.structured import PEOPLE
-from pagedllm.loader import load_model
+from pagedllm.model_executor.model_loader import load_model
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_outputs import StructuredOutputs
 

@@ -9,8 +9,8 @@ import sys
 import time
 
 import pagedllm.attention as attention
+import pagedllm.model_executor.models.llama as llama
 import pagedllm.model_runner as model_runner
-import pagedllm.models.llama as llama
 import pagedllm.weight_formats as weight_formats
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
@@ -20,8 +20,8 @@ from pagedllm.workloads import mixed, shared_prefix
 spent: collections.Counter = collections.Counter()
 
 
-def timed(f, name=None, key=None):  # noqa: ANN001, ANN201
-    def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+def timed(f, name=None, key=None):
+    def run(*a, **k):
         t = time.perf_counter()
         r = f(*a, **k)
         spent[key(*a) if key else name] += time.perf_counter() - t
@@ -29,7 +29,7 @@ def timed(f, name=None, key=None):  # noqa: ANN001, ANN201
     return run
 
 
-def rows(_w, x, *_) -> str:  # noqa: ANN001, ANN002
+def rows(_w, x, *_) -> str:
     m = x.shape[0]
     return "linears, 512+ rows" if m >= 512 else "linears, 16-511 rows" if m >= 16 else "linears, < 16 rows"
 
@@ -42,7 +42,7 @@ weight_formats.DensePanels.matmul_silu_and_mul = timed(weight_formats.DensePanel
 attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
 
 
-def attention_kind(_ops, _qkv, _cos, _sin, _heads, _cache, meta, _scale) -> str:  # noqa: ANN001
+def attention_kind(_ops, _qkv, _cos, _sin, _heads, _cache, meta, _scale) -> str:
     return "attention, steps with chunks" if meta.chunks is not None else "attention, rows only"
 
 

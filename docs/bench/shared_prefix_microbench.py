@@ -38,7 +38,7 @@ outs = {}
 
 def run(table: torch.Tensor, name: str) -> float:
     out = torch.zeros_like(q)
-    f = lambda: ops.paged_attention(out, q, k_pool, v_pool, table, row_seq, q_start, q_len, ctx_len,  # noqa: E731
+    f = lambda: ops.paged_attention(out, q, k_pool, v_pool, table, row_seq, q_start, q_len, ctx_len,
                                     d ** -0.5, 0, None, None, None)
     for _ in range(3):
         f()

@@ -10,7 +10,7 @@ import sys
 
 from pagedllm.bench.llama_server import LlamaServer, find_server
 from pagedllm.bench.passages import grounded_messages
-from pagedllm.loader import default_model_path, load_model
+from pagedllm.model_executor.model_loader import default_model_path, load_model
 
 N, OUT = 6, 128
 tok = load_model(None).tokenizer

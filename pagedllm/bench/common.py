@@ -95,3 +95,12 @@ def median_time(fn, reps: int = 7) -> float:
         fn()
         ts.append(now() - t)
     return statistics.median(ts)
+
+
+def result_row(system: str, work: list[WorkItem], wall: float, output_tokens: int, peak_rss: int, **extra) -> dict:
+    """One system's numbers in the shape every table, plot and JSON consumer reads."""
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
+    return {"system": system, "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / wall,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "peak_rss_bytes": peak_rss,
+            "kv_utilization": None, "wasted_token_fraction": 0.0, **extra}

@@ -13,7 +13,9 @@ from pathlib import Path
 import torch
 
 from ..config import cache_dir
-from ..loader import _GGUF_LAYER, _GGUF_NAMES, _GGUFTensors, _unpermute_rows, gguf_cache_key, gguf_hf_config
+from ..model_executor.model_loader import gguf_cache_key
+from ..model_executor.model_loader.base import model_class
+from ..model_executor.model_loader.gguf import GGUFTensors, gguf_hf_config, unpermute_rows
 from ..tokenizer import Tokenizer
 
 log = logging.getLogger("pagedllm")
@@ -26,23 +28,24 @@ def gguf_to_hf_folder(path: Path) -> Path:
     from safetensors.torch import save_file
 
     log.info("writing %s as an fp32 HF folder for HF-only peers: %s", path, out)
-    f = _GGUFTensors(path)  # the engine's own reader: dense fp32 in HF's shape, q/k rows unpermuted
+    f = GGUFTensors(path)  # the engine's own reader: dense fp32 in HF's shape, q/k rows unpermuted
     meta = f.meta
     cfg = gguf_hf_config(meta, set(f.by_name))
-    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    names = model_class(cfg, None).WEIGHTS.hf_names(meta["general.architecture"])
+    heads = {"num_heads": cfg["num_attention_heads"], "num_kv_heads": cfg["num_key_value_heads"]}
     sd: dict[str, torch.Tensor] = {}
     for name, t in f.by_name.items():
-        if name.startswith("blk."):
-            _, i, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER:
-                continue  # e.g. rope_freqs: llama3 factors are recomputed from the config
-            hf = f"model.layers.{i}.{_GGUF_LAYER[kind]}.{suffix}"
-        elif name in _GGUF_NAMES:
-            kind, hf = "", _GGUF_NAMES[name]
-        else:
-            continue
-        unpermute = cfg["model_type"] == "llama" and kind in heads and len(t.shape) > 1
-        sd[hf] = f.dense(name, _unpermute_rows(int(t.shape[1]), heads[kind]) if unpermute else None)
+        stem, suffix = name.rsplit(".", 1)
+        layer = None
+        if stem.startswith("blk."):
+            _, layer, stem = stem.split(".", 2)
+            stem = "blk.{}." + stem
+        if stem not in names:
+            continue  # e.g. rope_freqs: llama3 factors are recomputed from the config
+        hf, rope_heads = names[stem]
+        hf = f"{hf.format(layer)}.{suffix}" if layer is not None else f"{hf}.{suffix}"
+        rows = int(t.shape[-1])  # gguf shapes are reversed: the last is HF's first (rows, or a bias' length)
+        sd[hf] = f.dense(name, unpermute_rows(rows, heads[rope_heads]) if rope_heads is not None else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..workloads import WorkItem
-from .common import now
+from .common import now, result_row
 
 log = logging.getLogger("pagedllm.bench")
 
@@ -97,8 +97,7 @@ class LlamaServer:
 
 
 def run_llama_server(model: Path, work: list[WorkItem], server: str, slots: int, threads: int) -> dict:
-    """The workload through llama-server; the row has the fields of throughput.result_row."""
-    from .throughput import result_row
+    """The workload through llama-server; the row has the fields of common.result_row."""
 
     ctx = max(len(w.prompt_token_ids) + w.max_tokens for w in work) + 16
     with LlamaServer(server, ["-m", str(model), "-np", str(slots), "-c", str(slots * ctx), "-t", str(threads),

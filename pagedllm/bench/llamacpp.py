@@ -17,7 +17,7 @@ import numpy as np
 
 from ..config import cache_dir
 from ..errors import ModelLoadError
-from ..loader import gguf_cache_key
+from ..model_executor.model_loader import gguf_cache_key
 from .common import now
 
 log = logging.getLogger("pagedllm")
@@ -66,7 +66,7 @@ class LlamaCpp:
         except (ImportError, OSError, RuntimeError) as e:  # not installed, or its libllama not found
             raise ModelLoadError(f"the llama-cpp baseline needs `pip install llama-cpp-python` (it builds llama.cpp "
                                  f"for this machine), or LLAMA_CPP_LIB_PATH set to a libllama you built: {e}") from e
-        from ..loader import default_model_path
+        from ..model_executor.model_loader import default_model_path
 
         src = Path(model) if model else default_model_path()
         if src.suffix != ".gguf":

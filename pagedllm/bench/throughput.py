@@ -12,18 +12,9 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
 from ..workloads import WorkItem
-from .common import load_workload, make_report, now, track_peak_rss, write_json
+from .common import load_workload, make_report, now, result_row, track_peak_rss, write_json
 
 log = logging.getLogger("pagedllm.bench")
-
-
-def result_row(system: str, work: list[WorkItem], wall: float, output_tokens: int, peak_rss: int, **extra) -> dict:
-    """One system's numbers in the shape every table, plot and JSON consumer reads."""
-    prompt_tokens = sum(len(w.prompt_token_ids) for w in work)
-    return {"system": system, "wall_s": wall, "requests": len(work), "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "output_tokens_per_s": output_tokens / wall,
-            "total_tokens_per_s": (prompt_tokens + output_tokens) / wall, "peak_rss_bytes": peak_rss,
-            "kv_utilization": None, "wasted_token_fraction": 0.0, **extra}
 
 
 def run_pagedllm(engine: LLMEngine, work: list[WorkItem], progress: bool = True) -> dict:
@@ -192,7 +183,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         rows.append(run_pagedllm(plain, work, not args.no_progress))
         del plain
     if "llama-server" in args.baseline:
-        from ..loader import default_model_path
+        from ..model_executor.model_loader import default_model_path
         from .llama_server import find_server, run_llama_server
 
         gguf = Path(engine_kwargs["model"]) if engine_kwargs.get("model") else default_model_path()
@@ -226,7 +217,7 @@ def engine_model_folder(model: str | None):
     """The HF folder holding the engine's weights (a GGUF is converted into one, in the cache)."""
     from pathlib import Path
 
-    from ..loader import default_model_path
+    from ..model_executor.model_loader import default_model_path
     from .hf_folder import gguf_to_hf_folder
 
     path = Path(model) if model else default_model_path()

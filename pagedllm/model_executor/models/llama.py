@@ -8,72 +8,19 @@ row, so every linear layer runs once per step; only attention looks at sequence 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, attention_from_qkv, paged_attention
-from ..errors import ModelLoadError
-from ..kernels import Ops
-from ..kv_cache import KVCache
-from ..weight_formats import DensePanels, GGMLWeight, PackedWeight
-
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    sliding_window: int | None = None
-    architecture: str = "LlamaForCausalLM"
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> ModelConfig:
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(f"unsupported architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHS)}")
-        rope_params = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or rope_params or None
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
-        heads = cfg["num_attention_heads"]
-        window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            sliding_window=window,
-            architecture=arch,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-        )
+from ...attention import AttentionMetadata, attention_from_qkv, paged_attention
+from ...distributed import TPGroup
+from ...errors import ModelLoadError
+from ...kernels import Ops
+from ...kv_cache import KVCache
+from ...weight_formats import DensePanels, GGMLWeight, PackedWeight
+from .config import ModelConfig
+from .weight_names import Linear, Param, Part, WeightNames
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -134,20 +81,20 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias)
-        self.o_proj = _linear(self.q_size, cfg.hidden_size, o_bias)
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, mlp_bias)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, mlp_bias)
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, "qkv_proj" in biases)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, "o_proj" in biases)
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, "gate_up_proj" in biases)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, "down_proj" in biases)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
         self.ops: Ops | None = None
-        self.tp = None  # tensor parallelism (tensor_parallel.py): this rank's heads and MLP slice
+        self.tp: TPGroup | None = None  # tensor parallelism: this rank's heads and MLP slice
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear, decode_rows: int) -> torch.Tensor:
         if layer.packed is None:
@@ -188,16 +135,36 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False,
-                 mlp_bias: bool = False) -> None:
+    # llama.cpp's converter interleaves q/k rotary halves for its `llama` architecture only
+    WEIGHTS = WeightNames(
+        embed=Param("embed_tokens", "model.embed_tokens", "token_embd"),
+        norm=Param("norm", "model.norm", "output_norm"),
+        lm_head=Linear("lm_head", (Part("lm_head", "output"),)),
+        linears=(
+            Linear("qkv_proj", (Part("self_attn.q_proj", "attn_q", "num_heads"),
+                                Part("self_attn.k_proj", "attn_k", "num_kv_heads"), Part("self_attn.v_proj", "attn_v"))),
+            Linear("o_proj", (Part("self_attn.o_proj", "attn_output"),), "row"),
+            Linear("gate_up_proj", (Part("mlp.gate_proj", "ffn_gate"), Part("mlp.up_proj", "ffn_up"))),
+            Linear("down_proj", (Part("mlp.down_proj", "ffn_down"),), "row"),
+        ),
+        norms=(Param("input_layernorm", "input_layernorm", "attn_norm"),
+               Param("post_attention_layernorm", "post_attention_layernorm", "ffn_norm")),
+        gguf_interleaved_rope=frozenset({"llama"}),
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> ModelConfig:
+        return ModelConfig.from_hf(raw)
+
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:
+        """biases: the attribute names of the layers' linears that have one in the checkpoint."""
         super().__init__()
         self.cfg = cfg
         # _weight: no random init (the loader fills it; nn.init.normal_ under a meta device context goes
         # through torch._refs, which imports torch._dynamo and triton: ~70 MiB of RSS and ~1 s of startup)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qkv_bias, o_bias, mlp_bias)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, biases) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False)
         self.embed_packed: GGMLWeight | None = None  # a quantized table, looked up row by row
@@ -205,8 +172,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_len = 0
         self.ops: Ops | None = None
-        self.tp = None  # tensor parallelism: vocab-parallel embedding and lm_head over vocab_range
+        self.tp: TPGroup | None = None  # tensor parallelism: vocab-parallel embedding and lm_head over vocab_range
         self.vocab_range = (0, cfg.vocab_size)
+
+    def use_tensor_parallel(self, tp: TPGroup) -> None:
+        """The loader cut this rank's shards; the layers now count this rank's heads and reduce across ranks."""
+        cfg, n = self.cfg, tp.world
+        hq, hk, d = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.head_dim
+        self.vocab_range = tp.span(cfg.vocab_size)
+        self.tp = tp
+        for layer in self.layers:
+            layer.num_heads, layer.num_kv_heads = hq, hk
+            layer.q_size, layer.kv_size = hq * d, hk * d
+            layer.tp = tp
 
     def _linears(self) -> list[nn.Linear]:
         per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
@@ -311,37 +289,3 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head.packed.matmul(x, meta.num_decodes) if self.lm_head.packed is not None \
             else self.lm_head(x).float()
         return logits if self.tp is None else self.tp.all_gather_last(logits)  # [R, vocab]
-
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        """Load HF-named weights (model.layers.N.self_attn.q_proj.weight ...), fusing q/k/v
-        and gate/up into one matmul each."""
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise ModelLoadError(f"weight {name!r} missing from the checkpoint")
-            return sd[name]
-
-        dtype = self.embed_tokens.weight.dtype
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
-            if not self.cfg.tie_word_embeddings:
-                self.lm_head.weight.copy_(sd.get("lm_head.weight", sd["model.embed_tokens.weight"]))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                a, m = p + "self_attn.", p + "mlp."
-                layer.qkv_proj.weight.copy_(torch.cat(
-                    [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]))
-                if layer.qkv_proj.bias is not None:
-                    layer.qkv_proj.bias.copy_(torch.cat(
-                        [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]))
-                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
-                if layer.o_proj.bias is not None:
-                    layer.o_proj.bias.copy_(take(a + "o_proj.bias"))
-                layer.gate_up_proj.weight.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-                layer.down_proj.weight.copy_(take(m + "down_proj.weight"))
-                if layer.gate_up_proj.bias is not None:
-                    layer.gate_up_proj.bias.copy_(torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]))
-                    layer.down_proj.bias.copy_(take(m + "down_proj.bias"))
-                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-        self.to(dtype)

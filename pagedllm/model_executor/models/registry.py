@@ -1,0 +1,66 @@
+"""Architecture name (config.json's `architectures[0]`) -> model class, imported only when used.
+
+Adding an architecture is a model file plus one line in `_BUILTIN`. A GGUF file names its
+architecture in `general.architecture`; `gguf` maps that name to the HF one. Code outside the
+package (a plugin, a test) registers its own classes on a `ModelRegistry` and passes it to the loader,
+so nothing global changes under anyone's feet.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from ...errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    target: str | type  # "module:Class" relative to this package, or the class itself
+    gguf: str | None = None  # the GGUF `general.architecture` this architecture is stored under
+
+    def load(self) -> type:
+        if isinstance(self.target, type):
+            return self.target
+        module, name = self.target.split(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+
+
+_BUILTIN: dict[str, ModelEntry] = {
+    "LlamaForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="llama"),
+    "MistralForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="mistral"),
+    "Qwen2ForCausalLM": ModelEntry("qwen2:Qwen2ForCausalLM", gguf="qwen2"),
+}
+
+
+class ModelRegistry:
+    def __init__(self, entries: dict[str, ModelEntry] | None = None) -> None:
+        self._entries = dict(_BUILTIN if entries is None else entries)
+
+    def register(self, architecture: str, target: str | type, gguf: str | None = None) -> ModelRegistry:
+        """Add (or replace) an architecture; returns self for chaining."""
+        self._entries[architecture] = ModelEntry(target, gguf)
+        return self
+
+    @property
+    def architectures(self) -> list[str]:
+        return sorted(self._entries)
+
+    def model_class(self, architecture: str) -> type:
+        entry = self._entries.get(architecture)
+        if entry is None:
+            raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {self.architectures}")
+        return entry.load()
+
+    def from_gguf(self, gguf_arch: str | None) -> str:
+        """The HF architecture name a GGUF's `general.architecture` stands for."""
+        for name, entry in self._entries.items():
+            if entry.gguf is not None and entry.gguf == gguf_arch:
+                return name
+        known = sorted(e.gguf for e in self._entries.values() if e.gguf)
+        raise ModelLoadError(f"GGUF architecture {gguf_arch!r} is not supported ({', '.join(known)})")
+
+
+def default_registry() -> ModelRegistry:
+    """The built-in architectures (a fresh registry each call: callers may add to theirs)."""
+    return ModelRegistry()

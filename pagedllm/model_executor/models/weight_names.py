@@ -1,0 +1,67 @@
+"""How a model's modules are named in HF checkpoints and in GGUF files.
+
+A model file declares one `WeightNames`; the generic loaders (model_loader/) read any checkpoint
+through it, cut each rank's tensor-parallel shard as they read, and fuse parts (q, k, v -> qkv) by
+concatenating along the outputs. Names carry no ".weight" / ".bias" suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Part:
+    """One checkpoint tensor of a linear (several are stacked along the outputs: q, k, v)."""
+
+    hf: str  # "self_attn.q_proj" within a layer, "lm_head" at the top
+    gguf: str  # "attn_q" within a layer, "output" at the top
+    # the ModelConfig field counting this tensor's rope heads, where llama.cpp's converter interleaved the
+    # rotary halves of its rows (the loader restores HF's order; rows are whole blocks, so no bytes change)
+    rope_heads: str | None = None
+
+
+@dataclass(frozen=True)
+class Linear:
+    attr: str  # the nn.Linear's attribute on its layer (or on the model)
+    parts: tuple[Part, ...]
+    # column: each part's outputs split across ranks (heads, MLP rows, vocabulary); row: the inputs split,
+    # outputs all-reduced by the model, a bias added on rank 0 only
+    parallel: Literal["column", "row"] = "column"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A tensor loaded as it is (a norm's weight, the embedding table)."""
+
+    attr: str
+    hf: str
+    gguf: str
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    embed: Param  # vocab-parallel rows under tensor parallelism
+    norm: Param
+    lm_head: Linear  # absent from the checkpoint: tied to the embedding
+    linears: tuple[Linear, ...]  # per layer
+    norms: tuple[Param, ...]  # per layer
+    hf_layer: str = "model.layers.{}."
+    gguf_layer: str = "blk.{}."
+    gguf_interleaved_rope: frozenset[str] = frozenset()  # GGUF architectures whose q/k rows were interleaved
+
+    def hf_names(self, gguf_arch: str) -> dict[str, tuple[str, str | None]]:
+        """GGUF name -> (HF name, rope heads field to undo) for the top-level tensors and `{}`-templated
+        layer tensors (the inverse map, for writing a GGUF out as an HF folder)."""
+        rope = gguf_arch in self.gguf_interleaved_rope
+        out: dict[str, tuple[str, str | None]] = {self.embed.gguf: (self.embed.hf, None),
+                                                  self.norm.gguf: (self.norm.hf, None)}
+        for p in self.lm_head.parts:
+            out[p.gguf] = (p.hf, None)
+        for lin in self.linears:
+            for p in lin.parts:
+                out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, p.rope_heads if rope else None)
+        for n in self.norms:
+            out[self.gguf_layer + n.gguf] = (self.hf_layer + n.hf, None)
+        return out

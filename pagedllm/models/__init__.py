@@ -1,3 +1,0 @@
-from .llama import LlamaForCausalLM, ModelConfig
-
-__all__ = ["LlamaForCausalLM", "ModelConfig"]
