@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench
+.PHONY: setup run test test-fast lint bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check pagedllm tests
 	$(BIN)/python -m pytest tests
+
+# the unit tiers: no server processes, peers, tensor-parallel workers or fallback-ISA builds
+test-fast: $(STAMP)
+	$(BIN)/ruff check pagedllm tests
+	$(BIN)/python -m pytest tests -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check pagedllm tests

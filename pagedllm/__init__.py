@@ -1,6 +1,6 @@
 """pagedllm: LLM inference on a paged KV cache with continuous batching.
 
-The public names are imported on first use, so that `import pagedllm.scheduler` (the torch-free
+The public names are imported on first use, so that `import pagedllm.core.scheduler` (the torch-free
 control plane: scheduler, block manager, requests, planning) does not load torch.
 """
 
@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "LLM": "llm", "LLMEngine": "engine", "EngineStats": "engine", "EngineConfig": "config",
+    "LLM": "entrypoints.llm", "LLMEngine": "engine.llm_engine", "EngineStats": "engine.llm_engine", "EngineConfig": "config",
     "SamplingParams": "sampling_params", "StructuredOutputsParams": "sampling_params",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
     "InvalidRequestError": "errors", "ConfigError": "errors", "ModelLoadError": "errors", "RequestFailedError": "errors",
@@ -23,9 +23,9 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-    from .engine import EngineStats, LLMEngine
+    from .engine.llm_engine import EngineStats, LLMEngine
+    from .entrypoints.llm import LLM
     from .errors import ConfigError, InvalidRequestError, ModelLoadError, RequestFailedError
-    from .llm import LLM
     from .outputs import CompletionOutput, Logprob, RequestOutput
     from .sampling_params import SamplingParams, StructuredOutputsParams
 

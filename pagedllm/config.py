@@ -113,7 +113,7 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.speculative_config is not None:
-            from .spec_decode import SpeculativeConfig
+            from .spec_decode.ngram import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if not self.enable_chunked_prefill and self.max_model_len is not None:

@@ -13,7 +13,7 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .chat_template import TemplateError, TemplateRenderer
+from .entrypoints.chat_template import TemplateError, TemplateRenderer
 from .errors import InvalidRequestError
 from .limits import check_unicode
 

@@ -47,7 +47,7 @@ def ops_avx2():
     """Every kernel as a CPU without AVX-512 (Zen 3: AVX2, FMA) compiles it, built here by masking this CPU's
     AVX-512 and AVX-VNNI: the whole library that CPU loads, not a file of it. Built once per session (2-3
     minutes cold on two cores) and cached by source, flags and CPU like the real build."""
-    from pagedllm.kernels import build_ops
+    from pagedllm.platforms.cpu import build_ops
 
     if os.environ.get("PAGEDLLM_NO_CPP"):
         pytest.skip("C++ kernels disabled")

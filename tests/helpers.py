@@ -34,7 +34,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile("w+")  # a file, not a pipe: the access log never fills a buffer
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "serve", *(["--model", model] if model else []),
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", *(["--model", model] if model else []),
                                       "--port", str(self.port), *extra],
                                      stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 120

@@ -9,7 +9,7 @@ import pytest
 LOOP = """
 import random, resource, sys
 import torch
-from pagedllm.allocator import keep_freed_memory
+from pagedllm.platforms.allocator import keep_freed_memory
 print(keep_freed_memory())
 rnd = random.Random(0)
 sizes = [rnd.randint(1, 30) << 18 for _ in range(200)]

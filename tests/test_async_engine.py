@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.server.async_engine import AsyncEngine, NewRequest
+from pagedllm.engine.async_engine import AsyncEngine, NewRequest
 
 
 async def started(model: str) -> AsyncEngine:
@@ -69,7 +69,7 @@ def test_an_engine_failure_fails_live_requests_frees_everything_and_keeps_servin
 
 
 def test_a_drain_refuses_new_requests_and_aborts_running_ones_after_its_timeout(llama_dir):
-    from pagedllm.server.async_engine import ShuttingDownError
+    from pagedllm.engine.async_engine import ShuttingDownError
 
     async def main() -> None:
         eng = await started(llama_dir)

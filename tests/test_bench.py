@@ -11,7 +11,7 @@ from helpers import Server
 
 
 def run_bench(*args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", *args, "--no-progress"],
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", *args, "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
 
@@ -23,7 +23,7 @@ def test_throughput_vs_hf_static(llama_dir, tmp_path):
     d = json.loads(out.read_text())
     assert {"cores", "torch", "threads"} <= d["machine"].keys()
     assert d["config"]["workload"] == "mixed" and d["config"]["batch_size"] == [2, 4]
-    from pagedllm.workloads import mixed
+    from pagedllm.tools.workloads import mixed
 
     work = mixed(6, 320, 0)
     want_out = sum(w.max_tokens for w in work)
@@ -91,7 +91,7 @@ def test_roofline(llama_dir, tmp_path):
 
 
 def test_roofline_of_a_workload_counts_the_work_it_did(llama_dir, tmp_path):
-    from pagedllm.workloads import mixed
+    from pagedllm.tools.workloads import mixed
 
     out = tmp_path / "w.json"
     run_bench("roofline", "--model", llama_dir, "--workload", "mixed", "--num-requests", "5", "--json", str(out))
@@ -108,12 +108,12 @@ def test_serve_bench(chat_model_dir, tmp_path):
     srv = Server(chat_model_dir, "--num-kv-blocks", "64")
     try:
         out = tmp_path / "v.json"
-        r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--base-url", srv.url,
+        r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "serve", "--base-url", srv.url,
                             "--num-requests", "12", "--request-rate", "50", "--json", str(out)],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         s = json.loads(out.read_text())["summary"]
-        from pagedllm.workloads import mixed
+        from pagedllm.tools.workloads import mixed
 
         assert s["completed"] == 12 and s["errors"] == 0
         assert s["output_tokens"] == sum(w.max_tokens for w in mixed(12, 320, 0))
@@ -151,7 +151,7 @@ def test_llamacpp_baseline_needs_its_package(llama_dir):
     try:
         import llama_cpp  # noqa: F401
     except (ImportError, OSError, RuntimeError):  # not installed, or installed without its libllama
-        r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "latency", "--model", llama_dir,
+        r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "latency", "--model", llama_dir,
                             "--input-len", "8", "--output-len", "2", "--num-iters", "1", "--baseline", "llama-cpp",
                             "--no-progress"], capture_output=True, text=True, timeout=600)
         assert r.returncode != 0 and "pip install llama-cpp-python" in r.stderr
@@ -160,7 +160,7 @@ def test_llamacpp_baseline_needs_its_package(llama_dir):
 
 
 def test_vllm_baseline_needs_its_interpreter(llama_dir):
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", llama_dir,
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", llama_dir,
                         "--num-requests", "2", "--baseline", "vllm", "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "--vllm-python" in r.stderr
@@ -170,7 +170,7 @@ def test_vllm_baseline_needs_its_interpreter(llama_dir):
 def test_throughput_says_when_the_baseline_reads_other_weights(llama_dir, quantization: str, warned: bool) -> None:
     """The HF baselines read the dense folder: weights quantized at load (or a GGUF's own formats) are
     not the same weights, and the report says so."""
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", llama_dir, "--workload",
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "throughput", "--model", llama_dir, "--workload",
                         "mixed", "--num-requests", "2", "--dtype", "float32", "--quantization", quantization,
                         "--batch-size", "2", "--max-model-len", "1024", "--no-progress"],
                        capture_output=True, text=True, timeout=600)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.evaluate import compare_to_reference
-from pagedllm.kernels import auto_dtype, load_ops, pad_bias, unpack_weight
+from pagedllm.platforms.cpu import auto_dtype, load_ops, pad_bias, unpack_weight
+from pagedllm.tools.evaluate import compare_to_reference
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_gate_up_with_silu_in_one_pass_is_the_two_ops(ops, rows, in_features, in
 def test_gate_up_whose_halves_are_not_whole_panels(ops):
     """An intermediate size that is not a multiple of 48 cannot pair gate and up panels: the kernel refuses it
     and DensePanels takes the two-op path."""
-    from pagedllm.weight_formats import DensePanels
+    from pagedllm.model_executor.layers.weight_formats import DensePanels
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 64, generator=g), torch.randn(2 * 40, 64, generator=g)
@@ -62,7 +62,7 @@ def test_gate_up_whose_halves_are_not_whole_panels(ops):
 def test_dense_gate_up_is_the_same_on_either_side_of_the_fused_row_count(ops):
     """DensePanels runs the fused kernel from FUSED_SILU_MIN_ROWS rows and the two ops under: a row's result
     must not depend on which (greedy tokens would change with the batch)."""
-    from pagedllm.weight_formats import FUSED_SILU_MIN_ROWS, DensePanels
+    from pagedllm.model_executor.layers.weight_formats import FUSED_SILU_MIN_ROWS, DensePanels
 
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(2 * 96, 64, generator=g), torch.randn(FUSED_SILU_MIN_ROWS + 3, 64, generator=g)
@@ -124,7 +124,7 @@ def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):
 
         import pagedllm
 
-        csrc = Path(pagedllm.__file__).parent / "csrc"
+        csrc = Path(pagedllm.__file__).parent / "platforms" / "csrc"
         stub = tmp_path / "stub.cpp"
         stub.write_text('#include <torch/extension.h>\n#include "linear_bf16.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
                         '  m.def("pack_bf16", &pack_bf16); m.def("linear_bf16", &linear_bf16);\n'

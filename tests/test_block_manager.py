@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedllm.block_manager import BlockManager, FreeQueue
+from pagedllm.core.block_manager import BlockManager, FreeQueue
 
 
 def test_allocate_on_demand_and_free_order():

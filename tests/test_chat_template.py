@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.chat_template import TemplateError, TemplateLimitError, TemplateRenderer
+from pagedllm.entrypoints.chat_template import TemplateError, TemplateLimitError, TemplateRenderer
 
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 

@@ -109,7 +109,7 @@ def test_simulate_html_replays_both_pools_in_the_browser(tmp_path):
     from playwright.sync_api import sync_playwright
 
     out = tmp_path / "sim.html"
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "simulate", "--preset", "seed-13b", "--kv-memory", "46GB",
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "simulate", "--preset", "seed-13b", "--kv-memory", "46GB",
                         "--num-requests", "120", "--html", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -26,18 +26,18 @@ def test_generate_text_and_token_prompts(smollm):
 
 
 def test_cli_generate_and_chat():
-    gen = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "The capital of France is",
+    gen = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "The capital of France is",
                           "--max-tokens", "8", "--max-model-len", "512"], capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr
     assert "Paris" in gen.stdout
-    chat = subprocess.run([sys.executable, "-m", "pagedllm.cli", "chat", "--max-tokens", "32", "--max-model-len", "512"],
+    chat = subprocess.run([sys.executable, "-m", "pagedllm", "chat", "--max-tokens", "32", "--max-model-len", "512"],
                           input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr
     assert "Paris" in chat.stdout
 
 
 def test_cli_reports_bad_input_cleanly():
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--max-tokens", "0"],
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "hi", "--max-tokens", "0"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "max_tokens" in r.stderr and "Traceback" not in r.stderr
 

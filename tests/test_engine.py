@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm import LLM, InvalidRequestError, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

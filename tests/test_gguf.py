@@ -12,8 +12,8 @@ pytest.importorskip("gguf")
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
-from pagedllm.evaluate import compare_to_reference
-from pagedllm.kernels import load_ops
+from pagedllm.platforms.cpu import load_ops
+from pagedllm.tools.evaluate import compare_to_reference
 
 pytestmark = pytest.mark.skipif(load_ops() is None, reason="C++ kernels unavailable")
 IDS = [(i * 37 + i * i * 11) % 320 for i in range(300)]
@@ -126,7 +126,7 @@ def test_the_fast_reader_reads_what_gguf_reads(tmp_path) -> None:
     type, string and number arrays like a vocabulary's) and the same tensors as gguf's own reader."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    from pagedllm.gguf_file import open_gguf
+    from pagedllm.model_executor.model_loader.gguf_file import open_gguf
 
     path = tmp_path / "kinds.gguf"
     w = GGUFWriter(str(path), "llama")

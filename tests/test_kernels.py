@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels import load_ops, pack_weight, pad_bias, unpack_weight
 from pagedllm.model_executor.models.llama import rotate_half
+from pagedllm.platforms.cpu import load_ops, pack_weight, pad_bias, unpack_weight
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,9 @@ def test_silu_and_mul(ops):
 def test_paged_attention_reads_every_pool_dtype(ops, kv):
     """Decode rows and a mid-sequence chunk over scattered blocks, against gather + SDPA on the
     same stored (rounded / quantized) values."""
-    from pagedllm.attention import build_mask
-    from pagedllm.kv_cache import KVCache
-    from pagedllm.kv_quant import FP8_DTYPES, FP8KVCache
+    from pagedllm.model_executor.attention import build_mask
+    from pagedllm.model_executor.kv_cache import KVCache
+    from pagedllm.model_executor.kv_quant import FP8_DTYPES, FP8KVCache
 
     g = torch.Generator().manual_seed(0)
     cls, dt = (FP8KVCache, FP8_DTYPES[kv]) if kv.startswith("fp8") else (KVCache, getattr(torch, kv))
@@ -132,7 +132,7 @@ def test_paged_attention_reads_every_pool_dtype(ops, kv):
 
 
 def test_build_key_follows_source_flags_and_cpu(tmp_path):
-    from pagedllm.kernels import build_key
+    from pagedllm.platforms.cpu import build_key
 
     src = tmp_path / "a.cpp"
     src.write_text("int x;")
@@ -149,7 +149,7 @@ def test_builds_compile_staged_copies_so_every_checkout_shares_one(tmp_path):
     changed) and must not touch a staged file with the same bytes (ninja goes by modification times)."""
     import os
 
-    from pagedllm.kernels import _staged
+    from pagedllm.platforms.cpu import _staged
 
     where = tmp_path / "build"
     where.mkdir()
@@ -174,11 +174,11 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):
     import subprocess
     import sys
 
-    from pagedllm import kernels
+    from pagedllm.platforms import cpu as kernels
 
     where = kernels.ops_build_dir()
     (where / "lock").write_text("")
-    code = "from pagedllm.kernels import load_ops; assert load_ops() is not None"
+    code = "from pagedllm.platforms.cpu import load_ops; assert load_ops() is not None"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     # it removed the stale lock itself, or another pagedllm process on this machine (sharing the build
@@ -191,7 +191,7 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):
 def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int):
     """One decode row (fewer rows than threads) over 1000 keys: the key ranges computed apart and
     merged by their maxima equal one pass (and SDPA), with and without a sliding window."""
-    from pagedllm.kv_cache import KVCache
+    from pagedllm.model_executor.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(1)
     cache = KVCache(70, 16, 2, 64, torch.float32, torch.float32)
@@ -253,8 +253,8 @@ def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: 
     """rope + K/V write + attention in one call against rope_ by torch, KVCache.write and gather + SDPA:
     two decode rows, a 3-row mid-sequence chunk, and a 4-token fresh prompt (the chunk kernel's over a bf16
     pool; left to the caller over fp32)."""
-    from pagedllm.attention import build_mask
-    from pagedllm.kv_cache import KVCache
+    from pagedllm.model_executor.attention import build_mask
+    from pagedllm.model_executor.kv_cache import KVCache
 
     g = torch.Generator().manual_seed(heads * 100 + d)
     bs, nb = 16, 12
@@ -435,7 +435,7 @@ def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path)
     whatever still works in the build folder before compiling there itself."""
     import subprocess
 
-    from pagedllm.kernels import _stop_orphaned_compilers
+    from pagedllm.platforms.cpu import _stop_orphaned_compilers
 
     leftover = subprocess.Popen(["sleep", "60"], cwd=tmp_path)  # stands for a cc1plus still writing objects
     elsewhere = subprocess.Popen(["sleep", "60"])

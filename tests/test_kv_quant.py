@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.evaluate import chunk_logits, greedy_agreement, perplexity
-from pagedllm.kv_quant import dequantize, quantize
+from pagedllm.model_executor.kv_quant import dequantize, quantize
+from pagedllm.tools.evaluate import chunk_logits, greedy_agreement, perplexity
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float8_e4m3fn, 16 / 448), (torch.float8_e5m2, 4096 / 57344)])

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from pagedllm.kernels import load_ops  # noqa: E402
+from pagedllm.platforms.cpu import load_ops  # noqa: E402
 
 FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 

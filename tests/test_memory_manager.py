@@ -6,8 +6,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
-from pagedllm.workloads import mixed, shared_prefix
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.tools.workloads import mixed, shared_prefix
 
 VOCAB = 320
 

@@ -10,9 +10,9 @@ from helpers import hf_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.engine import LLMEngine
-from pagedllm.request import Request
-from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.engine.llm_engine import LLMEngine
 
 ARCHS = ["llama", "llama3-rope", "qwen2", "mistral"]
 PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pagedllm.planner import kv_bytes_per_token, load_shape, plan
+from pagedllm.tools.planner import kv_bytes_per_token, load_shape, plan
 
 
 def test_seed_7b_one_gb_per_2048_token_sequence():
@@ -40,7 +40,7 @@ def test_gqa_and_fp8_arithmetic():
 
 
 def test_plan_cli_json_and_model_sources(tiny_models):
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "plan", "--preset", "seed-7b", "--memory", "80GB",
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "plan", "--preset", "seed-7b", "--memory", "80GB",
                         "--max-model-len", "2048", "--json"], capture_output=True, text=True, check=True)
     d = json.loads(r.stdout)
     assert {"kv_bytes_per_token", "kv_bytes_per_seq_max_len", "max_seqs_static", "max_seqs_paged"} <= d.keys()

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from pagedllm.block_manager import BlockManager
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InvalidRequestError
-from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_len=64, **kw):
@@ -34,7 +34,8 @@ def step(s: Scheduler) -> dict[str, int]:
     return {x.request.request_id: x.num_new_tokens for x in out.scheduled}
 
 
-CONTROL_PLANE = ["scheduler", "block_manager", "request", "sampling_params", "limits", "outputs", "planner", "simulate"]
+CONTROL_PLANE = ["core.scheduler", "core.block_manager", "core.request", "sampling_params", "limits", "outputs",
+                 "tools.planner", "tools.simulate"]
 
 
 def test_control_plane_never_loads_torch():

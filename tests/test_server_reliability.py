@@ -132,14 +132,14 @@ def test_a_model_that_cannot_load_ends_the_server(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     port = free_port()
-    p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", "--model", str(bad), "--port", str(port)],
+    p = subprocess.run([sys.executable, "-m", "pagedllm", "serve", "--model", str(bad), "--port", str(port)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "failed to load" in p.stdout + p.stderr
 
 
 def test_a_kv_budget_over_the_memory_there_is_exits_2():
-    p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", "--kv-cache-memory", "1000TiB",
+    p = subprocess.run([sys.executable, "-m", "pagedllm", "serve", "--kv-cache-memory", "1000TiB",
                         "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "memory available" in p.stderr
 

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from pagedllm.simulate import TraceRequest, generate_trace, simulate_paged, simulate_static
+from pagedllm.tools.simulate import TraceRequest, generate_trace, simulate_paged, simulate_static
 
 
 def test_fragmentation_refuses_although_free_memory_suffices():
@@ -38,7 +38,7 @@ def test_paged_preempts_instead_of_failing():
 
 def test_simulate_cli(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    subprocess.run([sys.executable, "-m", "pagedllm.cli", "simulate", "--preset", "seed-13b", "--kv-memory", "46GB",
+    subprocess.run([sys.executable, "-m", "pagedllm", "simulate", "--preset", "seed-13b", "--kv-memory", "46GB",
                     "--num-requests", "150", "--json", str(out), "--plot", str(png)], check=True, capture_output=True)
     d = json.loads(out.read_text())
     for side in ("static", "paged"):

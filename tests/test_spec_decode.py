@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.block_manager import BlockManager
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.request import Request
 from pagedllm.errors import ConfigError
-from pagedllm.request import Request
-from pagedllm.sampler import Sampler
-from pagedllm.spec_decode import NgramProposer, SpeculativeConfig, record_acceptance, should_propose
+from pagedllm.sample.sampler import Sampler
+from pagedllm.spec_decode.ngram import NgramProposer, SpeculativeConfig, record_acceptance, should_propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": None}
@@ -278,6 +278,6 @@ def test_server_flag_and_prometheus_counters(chat_model_dir):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--model", chat_model_dir,
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "hi", "--model", chat_model_dir,
                         "--speculative-config", '{"method": "medusa"}'], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "medusa" in r.stderr, r.stderr  # a bad config is refused with the reason

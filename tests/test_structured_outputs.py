@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, InvalidRequestError, SamplingParams, StructuredOutputsParams
-from pagedllm.structured_outputs import INT64, bound_integers, check_json_schema
-from pagedllm.tool_calls import HERMES, LLAMA3_JSON, structural_tag
+from pagedllm.entrypoints.openai.tool_calls import HERMES, LLAMA3_JSON, structural_tag
+from pagedllm.sample.structured_outputs import INT64, bound_integers, check_json_schema
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from pagedllm import LLM, ConfigError, SamplingParams
-from pagedllm.block_manager import BlockManager
-from pagedllm.scheduler import ScheduledRequest, SchedulerOutput
-from pagedllm.tensor_parallel import StepPlan, TPDriver, WorkerDiedError, apply_tables, plan_to_sched
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedllm.executor.tp import StepPlan, TPDriver, WorkerDiedError, apply_tables, plan_to_sched
 
 OPTIONS = dict(dtype="float32", num_threads=1, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24)
 

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from pagedllm.errors import InvalidRequestError
-from pagedllm.tool_calls import (
+from pagedllm.entrypoints.openai.tool_calls import (
     HERMES,
     LLAMA3_JSON,
     ToolCallStream,
@@ -18,6 +17,7 @@ from pagedllm.tool_calls import (
     tool_calls_message,
     tool_format_for,
 )
+from pagedllm.errors import InvalidRequestError
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},

@@ -10,7 +10,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..workloads import WorkItem, from_jsonl, mixed, shared_prefix
+from ..tools.workloads import WorkItem, from_jsonl, mixed, shared_prefix
 
 
 def machine_info() -> dict:

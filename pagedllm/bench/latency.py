@@ -7,7 +7,7 @@ import random
 import statistics
 
 from ..config import EngineConfig
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
 from .common import make_report, now, write_json
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from ..workloads import WorkItem
+from ..tools.workloads import WorkItem
 from .common import now, result_row
 
 log = logging.getLogger("pagedllm.bench")

@@ -31,7 +31,7 @@ def f32_gguf(src: Path) -> Path:
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
-    from ..gguf_file import open_gguf
+    from ..model_executor.model_loader.gguf_file import open_gguf
 
     reader = open_gguf(src)
     arch = reader.fields["general.architecture"].contents()

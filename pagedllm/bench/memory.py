@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import EngineConfig
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
 from .common import load_workload, make_report, write_json
 

@@ -96,7 +96,7 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     tie=False, then output.weight in qtype)."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-    from ..gguf_file import open_gguf
+    from ..model_executor.model_loader.gguf_file import open_gguf
 
     rng = np.random.default_rng(seed)
     types = types or {}

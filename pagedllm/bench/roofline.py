@@ -21,7 +21,7 @@ import statistics
 import torch
 
 from ..config import EngineConfig
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
 from .common import load_workload, make_report, now, write_json
 from .throughput import run_pagedllm
@@ -51,7 +51,7 @@ def measure_matmul(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.floa
     """The fastest of torch's matmul (MKL for fp32, oneDNN for bf16) and our packed-weight kernel on an
     n^3 product with weights in `dtype`: the ceiling is what this machine can be made to do, not what
     one library does."""
-    from ..kernels import load_ops, pack_weight
+    from ..platforms.cpu import load_ops, pack_weight
 
     a, b = torch.randn(n, n), torch.randn(n, n)
     ops = load_ops()

@@ -11,7 +11,7 @@ import json
 import random
 import statistics
 
-from ..workloads import WorkItem, mixed
+from ..tools.workloads import WorkItem, mixed
 from .common import make_report, now, write_json
 
 

@@ -13,9 +13,9 @@ import argparse
 import statistics
 
 from ..config import EngineConfig
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
+from ..entrypoints.openai.tool_calls import HERMES, structural_tag
 from ..sampling_params import SamplingParams, StructuredOutputsParams
-from ..tool_calls import HERMES, structural_tag
 from .common import make_report, now, write_json
 
 PERSON = {"type": "object", "properties": {

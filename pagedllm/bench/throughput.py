@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 
 from ..config import EngineConfig
-from ..engine import LLMEngine
+from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
-from ..workloads import WorkItem
+from ..tools.workloads import WorkItem
 from .common import load_workload, make_report, now, result_row, track_peak_rss, write_json
 
 log = logging.getLogger("pagedllm.bench")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
-from ...formats import QUANTIZE_AT_LOAD
+from ..layers.formats import QUANTIZE_AT_LOAD
 from ..models.config import ModelConfig
 from ..models.registry import ModelRegistry
 from .base import LoadedModel, model_class

@@ -12,9 +12,9 @@ from torch import nn
 
 from ...distributed import TPGroup, check_divisible
 from ...errors import ModelLoadError
-from ...kernels import Ops, auto_dtype, load_ops
+from ...platforms.cpu import Ops, auto_dtype, load_ops
 from ...tokenizer import Tokenizer
-from ...weight_formats import PackedWeight, quantize
+from ..layers.weight_formats import PackedWeight, quantize
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear

@@ -19,9 +19,9 @@ from torch import nn
 
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
-from ...formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
 from ...tokenizer import Tokenizer
-from ...weight_formats import GGMLWeight
+from ..layers.formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
+from ..layers.weight_formats import GGMLWeight
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear
 from .base import (
@@ -105,7 +105,7 @@ class GGUFTensors:
     written, so they stay the file's pages), everything else is read once and its pages dropped."""
 
     def __init__(self, path: Path) -> None:
-        from ...gguf_file import open_gguf
+        from .gguf_file import open_gguf
 
         try:
             self.reader = open_gguf(path, "c")

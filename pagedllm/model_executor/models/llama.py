@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...attention import AttentionMetadata, attention_from_qkv, paged_attention
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
-from ...kernels import Ops
-from ...kv_cache import KVCache
-from ...weight_formats import DensePanels, GGMLWeight, PackedWeight
+from ...platforms.cpu import Ops
+from ..attention import AttentionMetadata, attention_from_qkv, paged_attention
+from ..kv_cache import KVCache
+from ..layers.weight_formats import DensePanels, GGMLWeight, PackedWeight
 from .config import ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames
 

@@ -1,0 +1,49 @@
+"""The linears of one SmolLM2-135M step (30 layers x qkv, o, gate_up, down; 106 M weights) at M rows:
+our bf16 packed kernel vs the ggml block formats executed in place (csrc/linear_ggml.cpp), median of 7.
+K-quants: the 576-wide rows fall back to Q8_0 (as llama.cpp's quantizer does). The crossover between
+the integer dot and the dequantize-to-bf16 path is linear_ggml.cpp's kDotRowsMax.
+Run: .venv/bin/python benchmarks/ggml_microbench.py [FORMAT ...] (correctness: tests/test_linear_ggml.py)."""
+
+import os
+import sys
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+
+from pagedllm.bench.common import median_time
+from pagedllm.bench.random_gguf import random_tensor
+from pagedllm.model_executor.layers.formats import FORMATS
+from pagedllm.platforms.cpu import load_ops
+from pagedllm.model_executor.layers.weight_formats import GGMLWeight
+
+torch.set_num_threads(2)
+ops = load_ops()
+print("integer dot ISA path:", ops.linear_ggml_isa, "| bf16:", ops.linear_bf16_isa)
+H, FF, Q, KV = 576, 1536, 576, 192
+shapes = [(Q + 2 * KV, H), (H, Q), (2 * FF, H), (H, FF)]  # (out, in), one layer; repeated 30 times
+formats = [T[name] for name in sys.argv[1:]] or [T.Q4_0, T.Q4_1, T.Q8_0]
+rng = np.random.default_rng(0)
+shapes = shapes * 30  # 120 distinct weights, as in the model: ~10x the L3 cache in bf16, so streamed from memory
+p16 = [ops.pack_bf16(torch.randn(o, k) * 0.02) for o, k in shapes]
+
+
+def fallback(t: T, k: int) -> T:  # K-quants need rows of whole 256-blocks; llama.cpp's quantizer falls back too
+    return t if k % GGML_QUANT_SIZES[t][0] == 0 else T.Q8_0
+
+
+quant = {t: [GGMLWeight(ops, [(torch.from_numpy(random_tensor(rng, o, k, fallback(t, k).name, fast=True)),
+                                FORMATS[fallback(t, k).name.lower()])], k) for o, k in shapes] for t in formats}
+print("repacked into 16-row groups here:", [t.name for t in formats if ops.ggml_repacks(int(t))])
+flops_per_row = sum(2 * o * k for o, k in shapes)
+
+
+for m in [int(v) for v in os.environ.get("ROWS", "1,2,4,8,12,15,16,24,32,64,256,1024").split(",")]:
+    xs = {k: torch.randn(m, k) for k in (H, FF)}
+    t16 = median_time(lambda xs=xs: [ops.linear_bf16(xs[k], w, None, o) for w, (o, k) in zip(p16, shapes)])
+    row = f"M={m:4}: bf16 {t16 * 1e3:7.2f} ms ({flops_per_row * m / t16 / 1e9:4.0f} GFLOP/s)"
+    for t, ws in quant.items():
+        tq = median_time(lambda xs=xs, ws=ws: [w.matmul(xs[k]) for w, (o, k) in zip(ws, shapes)])
+        row += f"  {t.name} {tq * 1e3:7.2f} ms ({flops_per_row * m / tq / 1e9:4.0f})"
+    print(row, flush=True)

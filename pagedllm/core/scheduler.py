@@ -1,0 +1,262 @@
+"""Continuous batching: every step decides which requests run and how many tokens each.
+
+Decodes (1 token) and prefill chunks share the per-step token budget. Running requests go
+first; when one needs a block and none is free, the lowest-priority, most recently admitted
+running request is preempted (blocks freed, requeued for recomputation). Waiting requests are
+admitted in (priority, arrival) order while the budget, max_num_seqs and the free blocks (less
+a small watermark) allow. No torch here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequestError
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # including num_spec proposed tokens
+    num_spec: int = 0  # speculative decoding: proposals scored after the last known token
+
+    @property
+    def completes(self) -> bool:
+        """After this step the request has KV for all its known tokens: sample one more."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerCounters:
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    peak_kv_blocks_used: int = 0
+    peak_num_running: int = 0
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", watermark: float = 0.01) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.reserve = preemption_mode == "reserve"
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.running: list[Request] = []
+        self._waiting: list[tuple[int, int, str]] = []  # heap of (priority, arrival no, id)
+        self.waiting: dict[str, Request] = {}
+        self._arrival_no: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._admit_counter = itertools.count()
+        self.counters = SchedulerCounters()
+
+    # ---- requests in and out -------------------------------------------------------------
+    def check_fits(self, req: Request) -> None:
+        total = req.max_total_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})")
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens needs {self.bm.blocks_needed(total)} KV blocks, "
+                f"more than the whole pool ({self.bm.num_blocks} blocks of {self.bm.block_size} tokens)")
+        if not self.chunked and req.num_prompt_tokens > self.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"prompt of {req.num_prompt_tokens} tokens exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+
+    def add_request(self, req: Request) -> None:
+        self.check_fits(req)
+        self._arrival_no[req.request_id] = next(self._counter)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        self.waiting[req.request_id] = req
+        heapq.heappush(self._waiting, (req.priority, self._arrival_no[req.request_id], req.request_id))
+
+    def _peek_waiting(self) -> Request | None:
+        while self._waiting:
+            rid = self._waiting[0][2]
+            req = self.waiting.get(rid)
+            if req is not None and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                return req
+            heapq.heappop(self._waiting)  # stale entry (aborted)
+        return None
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request (finished or aborted) and free its blocks at once."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        self.waiting.pop(req.request_id, None)
+        self._arrival_no.pop(req.request_id, None)
+        self.bm.free(req.request_id)
+        req.status = status
+        req.finished_time = time.monotonic()
+        for child in req.pending_forks:  # never forked: they end with their leader
+            child.status = status
+            child.finished_time = req.finished_time
+        if status is not RequestStatus.FINISHED_ABORTED:
+            req.pending_forks = []
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Child starts where the parent's prompt ends, sharing its blocks."""
+        self.bm.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        child.admitted_seq = next(self._admit_counter)
+        child.first_scheduled_time = parent.first_scheduled_time
+        self._arrival_no[child.request_id] = next(self._counter)
+        self.running.append(child)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.draft_computed = 0
+        req.spec_tokens = []
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self._enqueue(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.chunked:
+                continue
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                continue
+            copies = None
+            if num_new == 1 and req.spec_tokens:  # a decode with proposals: score them too, if they fit
+                del req.spec_tokens[budget - 1:]
+                copies = self.bm.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                                1 + len(req.spec_tokens), salt=req.cache_salt) if req.spec_tokens else None
+                if copies is None:
+                    req.spec_tokens.clear()  # proposals never preempt anyone
+            while copies is None:
+                copies = self.bm.allocate_slots(
+                    req.request_id, req.all_token_ids, req.num_computed_tokens, num_new,
+                    salt=req.cache_salt)
+                if copies is not None:
+                    break
+                if self.reserve:
+                    raise RuntimeError("reserve mode ran out of reserved blocks (a bug)")
+                victim = max((r for r in self.running if r.request_id not in scheduled_ids),
+                             key=lambda r: (r.priority, r.admitted_seq))
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if copies is None:
+                continue
+            spec = len(req.spec_tokens) if num_new == 1 else 0
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledRequest(req, num_new + spec, spec))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new + spec
+
+        if not out.preempted:
+            self._admit(out, budget)
+        self.counters.peak_kv_blocks_used = max(self.counters.peak_kv_blocks_used, self.bm.num_used_blocks)
+        self.counters.peak_num_running = max(self.counters.peak_num_running, len(self.running))
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while budget > 0:
+            req = self._peek_waiting()
+            if req is None:
+                break
+            group = 1 + len(req.pending_forks)
+            if len(self.running) + group > self.max_num_seqs and self.running:
+                break
+            tokens = req.all_token_ids
+            hits = self.bm.get_computed_blocks(req.request_id, tokens, req.cache_salt)
+            num_cached = len(hits) * self.bm.block_size
+            num_new = len(tokens) - num_cached
+            if num_new > budget and not self.chunked:
+                break
+            num_new = min(num_new, budget)
+            lookahead = req.max_total_tokens - num_cached - num_new if self.reserve else 0
+            copies = self.bm.allocate_slots(
+                req.request_id, tokens, num_cached, num_new, computed_blocks=hits,
+                num_lookahead=lookahead, salt=req.cache_salt,
+                reserve_free=self.watermark_blocks if self.running else 0)
+            if copies is None:
+                break  # head of line waits for memory; lower priorities must not overtake it
+            heapq.heappop(self._waiting)
+            del self.waiting[req.request_id]
+            if req.status is RequestStatus.WAITING:  # first admission, not a readmission
+                req.num_cached_tokens = num_cached
+            self.counters.prefix_cache_queries += len(tokens)
+            self.counters.prefix_cache_hits += num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            req.admitted_seq = next(self._admit_counter)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> None:
+        """Advance progress after the model ran; append the sampled tokens. A speculating request
+        gets a list: its accepted proposals and one more; the slots of rejected ones roll back."""
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            toks = sampled.get(req.request_id)
+            toks = [toks] if isinstance(toks, int) else toks
+            if s.num_spec:
+                req.num_computed_tokens += len(toks)  # the last known token + the accepted proposals
+                req.spec_tokens = []
+                self.bm.truncate(req.request_id, req.num_computed_tokens)
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+            if toks:
+                if not req.output_token_ids:
+                    self.counters.prompt_tokens += req.num_prompt_tokens
+                req.output_token_ids.extend(toks)
+                self.counters.generation_tokens += len(toks)

@@ -1,0 +1,1 @@
+"""The step loop (LLMEngine) and its asyncio front (AsyncEngine)."""

@@ -1,0 +1,93 @@
+"""How big the KV pool is: bytes per token of the model (and its draft), blocks that fit the budget,
+and the longest request those blocks can hold. Decided once, before anything is allocated."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig, available_memory_bytes, parse_size
+from ..errors import ConfigError
+from ..model_executor.kv_cache import KVCache
+from ..model_executor.models.config import ModelConfig
+
+log = logging.getLogger("pagedllm")
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVPoolSize:
+    num_blocks: int
+    block_size: int
+    kv_dtype: torch.dtype  # the pool's storage dtype
+    cache_cls: type  # KVCache or FP8KVCache
+    bytes_per_token: int  # all layers (and the draft model's), all ranks together
+    bytes_per_block: int
+    max_model_len: int
+
+
+def kv_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dtype, type]:
+    if kv_cache_dtype == "auto":
+        return model_dtype, KVCache
+    if kv_cache_dtype in _TORCH_DTYPES:
+        return _TORCH_DTYPES[kv_cache_dtype], KVCache
+    from ..model_executor.kv_quant import FP8KVCache
+
+    return FP8KVCache.storage_dtype(kv_cache_dtype), FP8KVCache
+
+
+def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory is not None:
+        budget = parse_size(config.kv_cache_memory)
+    elif config.memory_utilization is not None:
+        budget = int(available_memory_bytes() * config.memory_utilization)
+    else:
+        budget = DEFAULT_KV_CACHE_MEMORY
+    n = budget // bytes_per_block
+    if n < 1:
+        raise ConfigError(f"KV budget of {budget} bytes is smaller than one block ({bytes_per_block} bytes)")
+    return n
+
+
+def check_fits_in_memory(num_blocks: int, bytes_per_block: int) -> None:
+    """A pool larger than the memory there is would be zero-filled until the OOM killer ends the
+    process (a shared host's global OOM): refused here, with the figures."""
+    need, have = num_blocks * bytes_per_block, available_memory_bytes()
+    if need > have:
+        raise ConfigError(f"the KV pool needs {need / 2**30:.2f} GiB ({num_blocks} blocks x {bytes_per_block} "
+                          f"bytes) but only {have / 2**30:.2f} GiB of memory is available; lower "
+                          "kv_cache_memory / num_kv_blocks or use memory_utilization")
+
+
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype,
+                 draft: ModelConfig | None = None) -> KVPoolSize:
+    """draft: a draft model's config; its pool mirrors the target's block for block, so its bytes count per block."""
+    kv_dtype, cache_cls = kv_storage(config.kv_cache_dtype, model_dtype)
+    bs = config.block_size
+    bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)
+    if draft is not None:
+        bytes_per_token += draft.num_layers * cache_cls.bytes_per_token(draft.num_kv_heads, draft.head_dim, kv_dtype)
+    bytes_per_block = bytes_per_token * bs
+    num_blocks = num_blocks_for(config, bytes_per_block)
+    check_fits_in_memory(num_blocks, bytes_per_block)
+    model_max = mc.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_max})")
+    max_len = config.max_model_len or model_max
+    if num_blocks * bs < max_len:
+        if config.max_model_len is not None:
+            raise ConfigError(
+                f"KV cache of {num_blocks} blocks x {bs} tokens = {num_blocks * bs} tokens cannot hold one "
+                f"max_model_len={max_len} request; raise kv_cache_memory/num_kv_blocks or lower max_model_len")
+        max_len = num_blocks * bs
+        log.warning("max_model_len capped to %d tokens: all the KV pool holds", max_len)
+    log.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dim x %s), %d blocks x %d tokens "
+             "= %d tokens in %.1f MiB", bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+             config.kv_cache_dtype, num_blocks, bs, num_blocks * bs, num_blocks * bytes_per_block / 2**20)
+    return KVPoolSize(num_blocks, bs, kv_dtype, cache_cls, bytes_per_token, bytes_per_block, max_len)

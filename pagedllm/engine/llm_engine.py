@@ -1,0 +1,355 @@
+"""LLMEngine: requests in, one scheduling + model step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..core.block_manager import BlockManager
+from ..core.request import Request, RequestStatus
+from ..core.scheduler import Scheduler
+from ..errors import ConfigError, InvalidRequestError
+from ..model_executor.model_loader import load_model
+from ..model_executor.model_runner import ModelRunner
+from ..outputs import Logprob, RequestOutput
+from ..platforms.allocator import keep_freed_memory
+from ..sample.sampler import Sampler, SampleResult
+from ..sample.structured_outputs import StructuredOutputs
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..spec_decode.ngram import NgramProposer, SpecDecodeCounters, SpeculativeConfig, record_acceptance, should_propose
+from ..tokenizer import IncrementalDetokenizer
+from .input_processor import InputProcessor, PromptType
+from .kv_sizing import size_kv_pool
+from .output_processor import RequestGroup, check_stop, finish_text, make_output
+from .stats import EngineStats, engine_stats, kv_snapshot
+
+__all__ = ["EngineStats", "LLMEngine", "PromptType"]
+
+log = logging.getLogger("pagedllm")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        keep_freed_memory()  # before the first step's activations: they are then reused, not re-faulted
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        t0 = time.monotonic()
+        self.tp = None
+        self._tp_gone: list[str] = []  # finished since the last step: the workers drop their tables
+        if config.tensor_parallel_size > 1:
+            if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+                raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
+            from ..distributed import check_divisible
+            from ..executor.tp import TPDriver
+            from ..model_executor.model_loader import peek_config
+
+            # before any process starts
+            check_divisible(peek_config(config.model, config.model_registry), config.tensor_parallel_size)
+            self.tp = TPDriver(config)
+            weakref.finalize(self, self.tp.close)  # the workers stop with the engine, or at exit
+        try:
+            loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None,
+                                config.model_registry)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        mc = loaded.config
+        self.spec: SpeculativeConfig | None = config.speculative_config
+        draft = None
+        if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
+            draft = load_model(self.spec.model, config.dtype, config.quantization, registry=config.model_registry)
+        size = size_kv_pool(config, mc, loaded.dtype, draft.config if draft is not None else None)
+        num_blocks, bs, kv_dtype, cache_cls = size.num_blocks, size.block_size, size.kv_dtype, size.cache_cls
+        self.max_model_len = max_len = size.max_model_len
+        self.kv_bytes_per_token, self.bytes_per_block = size.bytes_per_token, size.bytes_per_block
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_len, config.enable_chunked_prefill, config.preemption_mode,
+                                   config.watermark)
+        self.runner = ModelRunner(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
+        if self.tp is not None:
+            self.tp.setup(num_blocks, bs, kv_dtype, cache_cls)
+        self.groups: dict[str, RequestGroup] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        eos = mc.eos_token_id
+        self.eos_token_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids,
+                                            max_threads=torch.get_num_threads(), ops=self.runner.model.ops) \
+            if self.tokenizer else None
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_len, config.max_logprobs, self.structured)
+        self.sampler = Sampler(config.seed, self.runner.argmax, self.structured)
+        self.spec_counters = SpecDecodeCounters()
+        self.proposer = NgramProposer(self.spec) if self.spec is not None else None
+        self.draft = None
+        if draft is not None:
+            from ..spec_decode.draft_model import DraftModel
+
+            self.draft = DraftModel(self.spec, self.runner, draft, num_blocks, kv_dtype, cache_cls, self.sampler,
+                                    self.structured)
+            self.proposer = self.draft
+        log.info("engine ready in %.1f s", time.monotonic() - t0)
+
+    # ---- requests ------------------------------------------------------------------------
+    def prepare_prompt(self, prompt: PromptType) -> dict:
+        """Tokenize and check a prompt without touching the engine's state (safe from any thread):
+        {"prompt": text or None, "prompt_token_ids": ids}, which add_request takes as it is."""
+        text, ids = self.inputs.prompt_ids(prompt)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> Any:
+        """Compile (and cache) a structured-outputs spec; safe from any thread, so a server compiles
+        before add_request and the engine loop finds it cached. Raises InvalidRequestError."""
+        return self.inputs.compile_grammar(spec)
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """Check params against the model, tokenize bad_words, compile the grammar: safe from any thread,
+        so a server does it before add_request, off the step loop. Raises InvalidRequestError."""
+        return self.inputs.prepare_params(params)
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Validate and queue a request. Raises InvalidRequestError; nothing else is touched."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self.inputs.prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                      "(room must be left for at least one output token)")
+        if params.max_tokens is None:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": self.max_model_len - len(ids)})
+        params = self.prepare_params(params)
+        seqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else params.clone_for_child(i)
+            seqs.append(Request(f"{request_id}#{i}" if params.n > 1 else request_id, ids, p,
+                                priority=priority, cache_salt=cache_salt, group_id=request_id, index=i))
+        if params.structured_outputs is not None:
+            compiled = self.compile_grammar(params.structured_outputs)
+            for seq in seqs:
+                seq.grammar = self.structured.matcher(compiled)  # type: ignore[union-attr]
+        leader = seqs[0]
+        leader.pending_forks = seqs[1:]
+        self.scheduler.add_request(leader)  # raises if it can never fit; nothing is queued then
+        detoks = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+                  for _ in seqs]
+        self.groups[request_id] = RequestGroup(request_id, text, ids, params, seqs, detoks, [""] * len(seqs))
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks. Returns its final output (or None if unknown)."""
+        g = self.groups.get(str(request_id))
+        if g is None:
+            return None
+        for seq in g.seqs:
+            self._release(seq, RequestStatus.FINISHED_ABORTED)
+        return self._finalize_if_done(g)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self._propose()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        self.num_steps += 1
+        if self.draft is not None:
+            self.draft.run(sched, self.block_manager.tables)
+        if self.tp is not None:  # the workers run the same step on their shards
+            gone, self._tp_gone = self._tp_gone, []
+            self.tp.step(sched, self.block_manager.tables, gone)
+        res = self.runner.execute(sched, self.block_manager.tables)
+        # from here on, an exception is one request's: its group is aborted alone (failed), the batch goes on
+        failed: dict[str, BaseException] = {}
+        # a leader finishing its prompt also samples the first token of each of its forks; a speculating
+        # request verifies its proposals over its 1 + k rows
+        reqs, rows = [], []
+        emitted: dict[str, list[SampleResult]] = {}
+        offset = 0
+        for r, n in zip(res.requests, res.num_rows):
+            if n > 1:
+                drafts = list(r.spec_tokens)
+                q = self.draft.probs.get(r.request_id) if self.draft is not None else None
+                try:
+                    emitted[r.request_id], accepted = self.sampler.verify(res.logits[offset:offset + n], r, drafts,
+                                                                          self.eos_token_ids, q)
+                except Exception as e:  # noqa: BLE001 - failed alone, below
+                    failed[r.group_id] = e
+                else:
+                    self.spec_counters.record(len(drafts), accepted)
+                    record_acceptance(r, len(drafts), accepted, self.spec)
+            else:
+                for seq in [r, *r.pending_forks]:
+                    reqs.append(seq)
+                    rows.append(offset)
+            offset += n
+        for seq, s in zip(reqs, self._sample(res.logits, reqs, rows, failed)):
+            if s is None:
+                continue
+            emitted[seq.request_id] = [s]
+            try:
+                if seq.grammar is not None and not seq.grammar.accept_token(s.token_id):
+                    log.warning("request %s: sampled token %d is outside its grammar", seq.request_id, s.token_id)
+            except Exception as e:  # noqa: BLE001
+                failed[seq.group_id] = e
+        for gid, e in failed.items():
+            self._fail(self.groups[gid], e)
+        self.scheduler.update(sched, {r.request_id: [s.token_id for s in emitted.get(r.request_id, [])]
+                                      for r in res.requests})
+        if self.draft is not None:
+            self.draft.after_update([s.request for s in sched.scheduled if s.num_spec and not s.request.is_finished])
+        for r in res.requests:
+            if r.is_finished:
+                continue
+            for child in r.pending_forks:
+                self.scheduler.fork(r, child)
+                child.output_token_ids.append(emitted[child.request_id][0].token_id)
+                self.scheduler.counters.generation_tokens += 1
+            r.pending_forks = []
+        now = time.monotonic()
+        touched: dict[str, RequestGroup] = {gid: self.groups[gid] for gid in failed}
+        for seq in [*reqs, *(r for r, n in zip(res.requests, res.num_rows) if n > 1)]:
+            if seq.is_finished:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            g = self.groups[seq.group_id]
+            try:
+                self._take_tokens(g, seq, emitted[seq.request_id])
+            except Exception as e:  # noqa: BLE001 - detokenizing, stop strings, logprobs of this one request
+                self._fail(g, e)
+            touched[g.request_id] = g
+        outs = []
+        for g in touched.values():
+            out = self._finalize_if_done(g) or make_output(g)
+            outs.append(out)
+        return outs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
+                failed: dict[str, BaseException]) -> list[SampleResult | None]:
+        """One sample per request, batched; when the batch raises, each request alone, so that only the
+        requests that fail (None, their error in failed) lose their step."""
+        if not reqs:
+            return []
+        try:
+            return self.sampler.sample(logits, reqs, rows, self.eos_token_ids)
+        except Exception:  # noqa: BLE001 - found below, request by request
+            pass
+        out: list[SampleResult | None] = []
+        for seq, row in zip(reqs, rows):
+            try:
+                out.append(self.sampler.sample(logits, [seq], [row], self.eos_token_ids)[0])
+            except Exception as e:  # noqa: BLE001
+                failed[seq.group_id] = e
+                out.append(None)
+        return out
+
+    def _take_tokens(self, g: RequestGroup, seq: Request, new: list[SampleResult]) -> None:
+        """Logprobs and stop checks of the tokens a step appended to seq (several: accepted proposals)."""
+        base = len(seq.output_token_ids) - len(new)
+        for j, s in enumerate(new):
+            if seq.params.logprobs is not None:
+                seq.cumulative_logprob += s.logprob
+                seq.logprobs.append({t: Logprob(lp, rank, self.tokenizer.id_to_token(t) if self.tokenizer else None)
+                                     for t, lp, rank in s.top})
+            self._check_stop(g, seq, base + j + 1)
+            if seq.is_finished:  # a stop inside the accepted run: the tokens after it are not outputs
+                dropped = len(seq.output_token_ids) - (base + j + 1)
+                del seq.output_token_ids[base + j + 1:]
+                self.scheduler.counters.generation_tokens -= dropped
+                break
+
+    def _fail(self, g: RequestGroup, error: BaseException) -> None:
+        """Abort a request whose own work raised inside a step; the rest of the batch goes on."""
+        log.error("request %s failed inside a step and was aborted: %s: %s", g.request_id,
+                  type(error).__name__, error, exc_info=error)
+        g.error = error
+        for seq in g.seqs:
+            self._release(seq, RequestStatus.FINISHED_ABORTED)
+
+    def _propose(self) -> None:
+        """This step's proposals for running decodes (none while the batch is large, for paused
+        requests, or where n-gram lookup finds nothing); a grammar cuts them at its first rejection."""
+        cfg = self.spec
+        running = self.scheduler.running
+        large = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
+        for req in running:
+            req.spec_tokens = []
+            if large or req.num_tokens - req.num_computed_tokens != 1 or req.pending_forks:
+                continue
+            k = min(cfg.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k < 1 or not should_propose(req):
+                continue
+            drafts = self.proposer.propose(req, k)  # a draft model's are placeholders until it runs
+            if req.grammar is not None and drafts and self.draft is None:
+                n = 0
+                while n < len(drafts) and req.grammar.accept_token(drafts[n]):
+                    n += 1
+                if n:
+                    req.grammar.rollback(n)
+                del drafts[n:]
+            req.spec_tokens = drafts
+
+    def _check_stop(self, g: RequestGroup, seq: Request, n_out: int | None = None) -> None:
+        """Whether the n_out-th output token (default: the last) ends the sequence."""
+        n_out = len(seq.output_token_ids) if n_out is None else n_out
+        stop = check_stop(g, seq, n_out, self.eos_token_ids, self.max_model_len)
+        if stop is not None:
+            self._finish(seq, *stop)
+
+    def _finish(self, seq: Request, status: RequestStatus, reason: int | str | None) -> None:
+        finish_text(self.groups[seq.group_id], seq, reason)
+        seq.stop_reason = reason
+        self._release(seq, status)
+
+    def _release(self, seq: Request, status: RequestStatus) -> None:
+        """Finish seq in the scheduler (its blocks freed) and drop its per-request state."""
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, status)
+        self.sampler.forget(seq.request_id)
+        if self.tp is not None:
+            self._tp_gone.append(seq.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
+
+    def _finalize_if_done(self, g: RequestGroup) -> RequestOutput | None:
+        if not all(s.is_finished for s in g.seqs):
+            return None
+        for seq in g.seqs:
+            self.sampler.forget(seq.request_id)
+            if self.proposer is not None:
+                self.proposer.forget(seq.request_id)
+        del self.groups[g.request_id]
+        return make_output(g)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    # ---- introspection -------------------------------------------------------------------
+    def kv_snapshot(self) -> dict:
+        """The KV pool block by block, the live requests and counters (stats.kv_snapshot); the dashboard draws it."""
+        return kv_snapshot(self)
+
+    def stats(self, filled: int | None = None, cached_free: int | None = None) -> EngineStats:
+        return engine_stats(self, filled, cached_free)

@@ -1,0 +1,1 @@
+"""What users call: the offline LLM, the CLI, the OpenAI-compatible server."""

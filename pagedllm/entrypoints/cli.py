@@ -1,0 +1,475 @@
+"""`pagedllm generate | chat` (and the other subcommands as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ..config import DTYPES
+from ..errors import PagedLLMError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                   help="default: weights as stored (a GGUF's own formats); none: dequantize a GGUF to --dtype; "
+                        "else quantize the linears at load")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool budget, e.g. 512MiB, 2GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--memory-utilization", type=float, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "reserve"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="worker processes over torch.distributed (gloo on CPU); under torchrun, ranks > 0 serve "
+                        "as workers")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": PATH}\'')
+
+
+ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
+               "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads", "speculative_config",
+               "tensor_parallel_size")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--n", type=int, default=1)
+
+
+def sampling_params(args: argparse.Namespace):
+    from ..sampling_params import SamplingParams
+
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sampling_seed, stop=args.stop, max_tokens=args.max_tokens)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    outs = llm.generate(args.prompts, sampling_params(args))
+    for out in outs:
+        for c in out.outputs:
+            if args.echo:
+                sys.stdout.write(out.prompt or "")
+            print(c.text)
+            if len(outs) > 1 or len(out.outputs) > 1:
+                print("---")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from ..config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    tok = engine.tokenizer
+    if tok is None:
+        print("error: this model has no tokenizer", file=sys.stderr)
+        return 2
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    turn = 0
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        history.append({"role": "user", "content": line})
+        text = tok.apply_chat_template(history, add_generation_prompt=True)
+        rid = f"chat-{turn}"
+        turn += 1
+        engine.add_request(rid, {"prompt_token_ids": tok.encode(text, add_special_tokens=False)},
+                           sampling_params(args))
+        shown = 0
+        reply = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                reply = out.outputs[0].text
+                sys.stdout.write(reply[shown:])  # stream tokens as they come
+                sys.stdout.flush()
+                shown = len(reply)
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_random_gguf(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..bench.random_gguf import SHAPES, write_random_gguf
+    from ..model_executor.model_loader import default_model_path
+
+    types = dict(kv.split("=", 1) for kv in args.types.split(",")) if args.types else None
+    out = write_random_gguf(Path(args.out), SHAPES[args.shape], args.type, args.seed, types,
+                            tokenizer_from=default_model_path(), fast=not args.exact, tie=False)
+    print(f"wrote {out} ({out.stat().st_size / 2**30:.2f} GiB)")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from ..tools.planner import format_plan, load_shape, plan
+
+    shape = load_shape(args.model, args.preset)
+    p = plan(shape, args.memory, args.kv_dtype, args.block_size, args.max_model_len, args.weights_memory,
+             args.activation_memory, args.mean_prompt, args.mean_output, concurrency=args.concurrency,
+             weight_format=args.weight_format)
+    print(json.dumps(p.to_dict(), indent=1) if args.json else format_plan(p))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from ..config import parse_size
+    from ..tools.planner import kv_bytes_per_token, load_shape
+    from ..tools.simulate import generate_trace, load_trace, plot, simulate_paged, simulate_static, write_html
+
+    shape = load_shape(args.model, args.preset)
+    bpt = kv_bytes_per_token(shape, args.kv_dtype)
+    capacity = parse_size(args.kv_memory) // bpt
+    max_len = args.max_model_len or shape.max_model_len
+    trace = load_trace(args.trace) if args.trace else generate_trace(args.num_requests, args.seed, args.rate, max_len)
+    layouts: tuple[list, list] | tuple[None, None] = ([], []) if args.html else (None, None)
+    static = simulate_static(trace, capacity, layouts[0])
+    paged = simulate_paged(trace, capacity, args.block_size, layout=layouts[1])
+    report = {"config": {"model": shape.name, "kv_bytes_per_token": bpt, "kv_memory": args.kv_memory,
+                         "capacity_tokens": capacity, "block_size": args.block_size, "num_requests": len(trace),
+                         "seed": args.seed, "trace": args.trace},
+              "static": static.summary(), "paged": paged.summary()}
+    print(f"{shape.name}: KV capacity {capacity:,} tokens ({args.kv_memory}, {bpt:,} B/token), {len(trace)} requests")
+    print(f"{'':28}{'static':>12}{'paged':>12}")
+    for key in ("completed", "refused", "refused_fragmentation", "preemptions", "peak_concurrency",
+                "mean_concurrency", "mean_utilization"):
+        a, b = report["static"][key], report["paged"][key]
+        fmt = (lambda x: f"{x:>12.1%}") if key == "mean_utilization" else \
+            (lambda x: f"{x:>12.1f}") if isinstance(a, float) else (lambda x: f"{x:>12}")
+        print(f"{key:28}{fmt(a)}{fmt(b)}")
+    for e in static.events[:3]:
+        print("static:", e)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot(static, paged, bpt, args.plot, f"{shape.name}, {args.kv_memory} of KV, {len(trace)} requests")
+    if args.html:
+        write_html(static, paged, layouts[0], layouts[1], capacity, args.block_size, args.html,
+                   f"{shape.name}, {args.kv_memory} of KV ({capacity:,} tokens), {len(trace)} requests")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Weight formats against an fp32 engine on the same weights, teacher-forced on one text."""
+    import json
+
+    from ..tools.evaluate import compare_to_reference
+    from .llm import LLM
+
+    text = open(args.text, encoding="utf-8").read()
+    common = dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len)
+    ref = LLM(dtype=args.reference, quantization="none", **common)  # a GGUF dequantized: the same weights
+    ids = ref.get_tokenizer().encode(text)
+    rows = []
+    for fmt in args.formats.split(","):
+        kw = ({"dtype": fmt, "quantization": "none"} if fmt in DTYPES  # a GGUF dequantized to that dtype
+              else {"dtype": "float32", "quantization": None if fmt == "native" else fmt})
+        llm = LLM(**kw, **common)
+        r = compare_to_reference(ref.engine, llm.engine, ids, args.chunk)
+        model = llm.engine.runner.model
+        rows.append({"format": fmt, "weight_format": model.weight_format, **r,
+                     "linear_weight_bytes": model.linear_weight_bytes()})
+        del llm
+    print(f"reference: {args.reference} weights, {rows[0]['tokens'] if rows else 0} tokens of {args.text}, "
+          f"KV {args.kv_cache_dtype}; perplexity {rows[0]['perplexity_ref'] if rows else float('nan'):.4f}")
+    print(f"{'format':10} {'stored as':>12} {'perplexity':>11} {'vs ref':>8} {'mean KL':>10} {'top-1 same':>11} "
+          f"{'linear MiB':>11}")
+    for r in rows:
+        print(f"{r['format']:10} {r['weight_format']:>12} {r['perplexity']:>11.4f} "
+              f"{r['perplexity'] / r['perplexity_ref'] - 1:>+8.2%} {r['mean_kl']:>10.2e} {r['top1_agreement']:>11.2%} "
+              f"{r['linear_weight_bytes'] / 2**20:>11.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args) | {"func": None}, "rows": rows}, f, indent=1)
+    return 0
+
+
+def cmd_eval_kv(args: argparse.Namespace) -> int:
+    import json
+
+    from ..sampling_params import SamplingParams
+    from ..tools.evaluate import greedy_agreement, perplexity
+    from .llm import LLM
+
+    text = open(args.text, encoding="utf-8").read()
+    rows, ref = [], None
+    for dt in args.kv_dtypes.split(","):
+        llm = LLM(model=args.model, kv_cache_dtype=dt, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len, dtype=args.dtype)
+        ids = llm.get_tokenizer().encode(text)
+        ppl = perplexity(llm.engine, ids, args.chunk)
+        prompts = [{"prompt_token_ids": ids[i * 300:i * 300 + 64]} for i in range(args.num_prompts)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))]
+        ref = ref or outs
+        first_diff = [next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r)) for r, o in zip(ref, outs)]
+        rows.append({"kv_cache_dtype": dt, "tokens": len(ids), "perplexity": ppl,
+                     "greedy_agreement": greedy_agreement(ref, outs),
+                     "mean_tokens_before_divergence": sum(first_diff) / len(first_diff),
+                     "num_kv_blocks": llm.engine.block_manager.num_blocks,
+                     "kv_bytes_per_token": llm.engine.kv_bytes_per_token})
+    base = rows[0]["perplexity"]
+    print(f"{'kv dtype':10} {'tokens':>7} {'perplexity':>11} {'vs first':>9} {'greedy same':>12} "
+          f"{'tok before diverge':>19} {'blocks':>7} {'B/token':>8}")
+    for r in rows:
+        print(f"{r['kv_cache_dtype']:10} {r['tokens']:>7} {r['perplexity']:>11.4f} {r['perplexity'] / base - 1:>+9.2%} "
+              f"{r['greedy_agreement']:>12.1%} {r['mean_tokens_before_divergence']:>19.1f} {r['num_kv_blocks']:>7} "
+              f"{r['kv_bytes_per_token']:>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args) | {"func": None}, "rows": rows}, f, indent=1)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import resource
+
+    import uvicorn
+
+    from ..config import EngineConfig
+    from .openai.api_server import build_app
+    from .openai.http import DrainingServer, guarded_protocol
+
+    config = EngineConfig(**engine_kwargs(args))  # validate options before binding the port
+    address = f"http://{args.host}:{args.port}"
+    app = build_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
+                    max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes,
+                    trust_request_chat_template=args.trust_request_chat_template, body_timeout=args.body_timeout,
+                    address=address)
+    # connections are capped below the descriptor limit, so accept() never fails for want of one
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    max_connections = max(16, min(args.max_connections, soft - 256))
+    logging.getLogger("pagedllm.server").setLevel(logging.INFO)  # the banner and its warnings, -v or not
+    server = DrainingServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", access_log=not args.no_access_log,
+        http=guarded_protocol(args.header_timeout, max_connections), timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5), app.state.engine.drain, args.shutdown_timeout)
+    import signal
+
+    # uvicorn re-raises the signal it stopped on to the handler installed before it: a no-op one there
+    # makes a requested shutdown exit 0
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    code = 1 if getattr(app.state, "fatal", None) else 0  # no model, or a lost tensor-parallel worker
+    if getattr(app.state, "stalled", False):
+        logging.getLogger("pagedllm.server").error("the engine did not stop (a step never returned); exiting")
+        logging.shutdown()
+        os._exit(1)  # its thread would hold the interpreter's exit forever
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup (KV arithmetic, timing)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one or more prompts")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat (reads lines from stdin, streams replies)")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /tokenize")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 429")
+    sv.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    sv.add_argument("--trust-request-chat-template", action="store_true",
+                    help="allow chat_template in request bodies (a template is a program; off by default, as in vLLM)")
+    sv.add_argument("--shutdown-timeout", type=float, default=5.0,
+                    help="on SIGTERM, seconds running requests get to finish before they are aborted")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection has to send a request head before it is closed")
+    sv.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body has to arrive (408)")
+    sv.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle seconds before a keep-alive closes")
+    sv.add_argument("--max-connections", type=int, default=4096,
+                    help="open connections beyond this are closed at once (also kept under the file limit)")
+    sv.add_argument("--no-access-log", action="store_true", help="do not log each request")
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    from ..bench import latency, memory, roofline, serve, structured, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput | latency | serve | memory | roofline | structured")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, mod, doc in (("throughput", throughput, "pagedllm vs the traditional approach on a workload"),
+                           ("latency", latency, "one request: time to first token, decode tokens/s"),
+                           ("serve", serve, "drive a running server: Poisson arrivals, latency percentiles"),
+                           ("memory", memory, "KV bytes used by paging vs max-length preallocation"),
+                           ("roofline", roofline, "decode step time vs this machine's bandwidth/compute floor"),
+                           ("structured", structured, "throughput with part of the batch grammar-constrained")):
+        b = bsub.add_parser(name, help=doc)
+        mod.add_args(b)
+        if name != "serve":
+            add_engine_args(b)
+        else:
+            b.add_argument("--seed", type=int, default=0)
+        b.add_argument("--json", default=None, help="write every number, the configuration and the machine here")
+        b.add_argument("--plot", default=None, help="PNG file")
+        b.add_argument("--no-progress", action="store_true")
+        b.set_defaults(func=lambda a, m=mod: (m.main(a, engine_kwargs(a)), 0)[1])
+
+    rg = bsub.add_parser("random-gguf", help="write a random-weight GGUF of a real model shape (real kernels, noise)")
+    rg.add_argument("out")
+    rg.add_argument("--shape", default="llama3-8b", help="llama3-8b | tiny")
+    rg.add_argument("--type", default="Q4_0", help="ggml type of the linears and embeddings (Q4_0, Q4_K, Q8_0, ...)")
+    rg.add_argument("--types", default=None, help="overrides by tensor-name suffix: attn_v.weight=Q6_K,ffn_down.weight=Q6_K")
+    rg.add_argument("--seed", type=int, default=0)
+    rg.add_argument("--exact", action="store_true", help="quantize N(0, 0.02) weights (minutes for 8B) instead of "
+                                                          "random blocks of that spread (seconds)")
+    rg.set_defaults(func=cmd_random_gguf)
+
+    def model_args(x: argparse.ArgumentParser) -> None:
+        m = x.add_mutually_exclusive_group()
+        m.add_argument("--model", default=None, help="HF folder, .gguf file or config.json (default: SmolLM2-135M)")
+        m.add_argument("--preset", default=None, help="seed-7b | seed-13b | smollm2-135m")
+        x.add_argument("--kv-dtype", default="float16",
+                       choices=["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+        x.add_argument("--block-size", type=int, default=16)
+        x.add_argument("--max-model-len", type=int, default=None)
+        x.add_argument("--json", nargs="?", const=True, default=None)
+
+    pl = sub.add_parser("plan", help="capacity planner: KV arithmetic, static vs paged concurrency")
+    model_args(pl)
+    pl.add_argument("--memory", default="80GB", help="device memory")
+    pl.add_argument("--weights-memory", default=None, help="default: as stored (a GGUF's formats, the preset's) "
+                                                            "or parameters x 2 bytes")
+    pl.add_argument("--weight-format", default=None, help="parameters x this format's bytes per weight: f32, bf16, "
+                                                           "q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k")
+    pl.add_argument("--activation-memory", default=None)
+    pl.add_argument("--mean-prompt", type=int, default=512)
+    pl.add_argument("--mean-output", type=int, default=256)
+    pl.add_argument("--concurrency", type=int, default=None, help="also show the KV that many sequences need")
+    pl.set_defaults(func=cmd_plan)
+
+    si = sub.add_parser("simulate", help="replay a trace: contiguous max-length allocator vs paged blocks")
+    model_args(si)
+    si.add_argument("--kv-memory", default="46GB", help="memory left for KV")
+    si.add_argument("--trace", default=None, help="JSONL of {arrival, prompt_len, output_len, max_tokens}")
+    si.add_argument("--num-requests", type=int, default=300)
+    si.add_argument("--rate", type=float, default=0.5, help="mean arrivals per decode step")
+    si.add_argument("--seed", type=int, default=0)
+    si.add_argument("--plot", default=None, help="PNG file")
+    si.add_argument("--html", default=None, help="self-contained page: each pool over time, request by request")
+    si.set_defaults(func=cmd_simulate)
+
+    ew = sub.add_parser("eval", help="weight formats vs an fp32 reference of the same weights: perplexity, mean KL, "
+                                     "top-1 agreement")
+    ew.add_argument("--model", default=None)
+    ew.add_argument("--formats", default="bfloat16,native",
+                    help="comma-separated: a dtype (the weights dequantized to it), native (a GGUF's own formats), "
+                         "or a format to quantize to at load (q8_0, q4_0, q4_1, q5_0, q5_1)")
+    ew.add_argument("--reference", default="float32", help="dtype of the reference (a GGUF dequantized to it)")
+    ew.add_argument("--text", default="tests/data/english.txt")
+    ew.add_argument("--kv-cache-dtype", default="float32", help="the same for every row, fp32 to isolate the weights")
+    ew.add_argument("--kv-cache-memory", default="1GiB")
+    ew.add_argument("--max-model-len", type=int, default=4096)
+    ew.add_argument("--chunk", type=int, default=512)
+    ew.add_argument("--json", default=None)
+    ew.set_defaults(func=cmd_eval)
+
+    ev = sub.add_parser("eval-kv", help="perplexity and greedy agreement of each KV cache dtype")
+    ev.add_argument("--model", default=None)
+    ev.add_argument("--dtype", default="float32", help="weights; fp32 isolates the KV dtype's effect")
+    ev.add_argument("--text", default="tests/data/english.txt", help="an English text (>= 2000 tokens)")
+    ev.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2")
+    ev.add_argument("--kv-cache-memory", default="1GiB")
+    ev.add_argument("--max-model-len", type=int, default=4096)
+    ev.add_argument("--chunk", type=int, default=512, help="prefill chunk of the perplexity pass")
+    ev.add_argument("--num-prompts", type=int, default=8)
+    ev.add_argument("--max-tokens", type=int, default=64)
+    ev.add_argument("--json", default=None)
+    ev.set_defaults(func=cmd_eval_kv)
+    return parser
+
+
+def run_torchrun_worker(args: argparse.Namespace) -> int:
+    from ..config import EngineConfig
+    from ..executor.tp import run_worker
+
+    config = EngineConfig(**engine_kwargs(args))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ValueError(f"torchrun WORLD_SIZE={world} differs from --tensor-parallel-size {config.tensor_parallel_size}")
+    run_worker(rank, world, "env://", config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if getattr(args, "tensor_parallel_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
+            return run_torchrun_worker(args)  # torchrun rank > 0: a worker of rank 0's engine
+        return args.func(args)
+    except (PagedLLMError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Executors between the engine and the model runner: tensor parallelism's driver and workers."""

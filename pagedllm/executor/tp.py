@@ -1,0 +1,227 @@
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): the workers' loop and the
+driver that feeds them one message per step.
+
+Sharding (cut by the weight loaders as they read): qkv and gate_up are column-parallel (each rank its
+heads / its slice of the MLP), o and down row-parallel with one all-reduce each; the embedding and
+lm_head are vocab-parallel (a masked lookup + all-reduce, logits all-gathered);
+each rank's KV pool holds its KV heads, with the same
+block ids everywhere. The scheduler and block manager stay single, in the driver (rank 0, the
+engine); each step it broadcasts the scheduled work as diffs: new tokens per request, the tail of
+each block table from its first changed entry, copies, and finished requests.
+
+Rendezvous: torch.distributed's. Started by the engine, the workers are spawned processes that
+join at tcp://127.0.0.1:<a free port>; under torchrun (MASTER_ADDR / MASTER_PORT / RANK /
+WORLD_SIZE set) every rank is already there and ranks > 0 run `run_worker` (the CLI does this).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import TPGroup
+from ..errors import ConfigError, PagedLLMError
+
+log = logging.getLogger("pagedllm")
+TIMEOUT = timedelta(seconds=60)  # a collective that waits longer than this fails (a worker is gone)
+
+
+class WorkerDiedError(PagedLLMError):
+    """A tensor-parallel worker exited or stopped answering: the engine cannot step any more."""
+
+
+# ---- the step message ------------------------------------------------------------------------
+@dataclass
+class StepPlan:
+    """One step for the workers: per scheduled request (id, start, new tokens, num_spec, completes, prompt
+    length), block-table tails from their first changed entry, copies, and finished requests."""
+
+    work: list[tuple[str, int, list[int], int, bool, int]] = field(default_factory=list)
+    tables: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    all_logits: bool = False
+
+
+@dataclass(eq=False)
+class _WorkView:
+    """What ModelRunner.execute reads of a request, rebuilt on a worker from a StepPlan entry."""
+
+    request_id: str
+    num_computed_tokens: int
+    tokens: list[int]
+    num_tokens: int
+    num_prompt_tokens: int  # the runner tells prompt rows from decodes by it, as the driver's does
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        return self.tokens[start - self.num_computed_tokens:end - self.num_computed_tokens]
+
+
+def plan_to_sched(plan: StepPlan) -> Any:
+    from ..core.scheduler import ScheduledRequest, SchedulerOutput
+
+    scheduled = []
+    for rid, start, toks, num_spec, completes, prompt_len in plan.work:
+        n = len(toks)
+        total = start + n - num_spec if completes else start + n + 1  # reproduces ScheduledRequest.completes
+        scheduled.append(ScheduledRequest(_WorkView(rid, start, toks, total, prompt_len), n, num_spec))
+    return SchedulerOutput(scheduled, list(plan.copies))
+
+
+def apply_tables(tables: dict[str, list[int]], plan: StepPlan) -> None:
+    for rid in plan.gone:
+        tables.pop(rid, None)
+    for rid, at, tail in plan.tables:
+        t = tables.setdefault(rid, [])
+        del t[at:]
+        t.extend(tail)
+
+
+# ---- processes -------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, init_method: str) -> TPGroup:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=TIMEOUT)
+    return TPGroup(rank, world)
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_worker(rank: int, world: int, init_method: str, config: Any, started: Any = None) -> None:
+    """A rank > 0: load its shard, then run whatever the driver broadcasts until it says stop."""
+    from ..model_executor.model_loader import load_model
+    from ..model_executor.model_runner import ModelRunner
+    from ..platforms.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or world) // world))
+    if started is not None:
+        started.set()  # imported and about to join: the driver may wait in the rendezvous now
+    tp = _init(rank, world, init_method)
+    try:
+        loaded = load_model(config.model, config.dtype, config.quantization, tp=tp, registry=config.model_registry)
+        num_blocks, block_size, kv_dtype, cache_cls = _broadcast(None)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls)
+        tables: dict[str, list[int]] = {}
+        while True:
+            plan = _broadcast(None)
+            if plan is None:
+                break
+            apply_tables(tables, plan)
+            runner.execute(plan_to_sched(plan), tables, all_logits=plan.all_logits)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned_worker(rank: int, world: int, init_method: str, config: Any, started: Any) -> None:
+    try:
+        run_worker(rank, world, init_method, config, started)
+    except Exception as e:  # noqa: BLE001 - a driver gone mid-collective: nothing left to serve
+        log.info("tensor-parallel worker %d stops: %s", rank, e)
+
+
+class TPDriver:
+    """Rank 0's side: start (or, under torchrun, join) the workers, send each step, notice failures."""
+
+    def __init__(self, config: Any) -> None:
+        self.world = config.tensor_parallel_size
+        self.procs: list[Any] = []
+        self._sent: dict[str, list[int]] = {}  # the block tables as the workers know them
+        self.closed = False
+        env = os.environ
+        if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:  # torchrun: everyone is there
+            if int(env["WORLD_SIZE"]) != self.world or int(env["RANK"]) != 0:
+                raise ConfigError(f"torchrun started rank {env['RANK']} of {env['WORLD_SIZE']}, but the engine is rank 0 "
+                                  f"of tensor_parallel_size={self.world}")
+            init = "env://"
+        else:
+            import torch.multiprocessing as mp
+
+            init = f"tcp://127.0.0.1:{_free_port()}"
+            ctx = mp.get_context("spawn")
+            events = []
+            for rank in range(1, self.world):
+                ev = ctx.Event()
+                p = ctx.Process(target=_spawned_worker, args=(rank, self.world, init, config, ev), daemon=True)
+                p.start()
+                self.procs.append(p)
+                events.append(ev)
+            deadline = time.monotonic() + TIMEOUT.total_seconds()
+            while not all(ev.is_set() for ev in events):  # a worker that dies starting is reported now
+                try:
+                    self.check_alive()
+                except WorkerDiedError as e:
+                    self.close()
+                    raise WorkerDiedError(f"{e} while starting (a script that builds the engine needs an "
+                                          "`if __name__ == '__main__':` guard: workers are spawned)") from None
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise WorkerDiedError("tensor-parallel workers did not start in time")
+                time.sleep(0.05)
+        self.tp = _init(0, self.world, init)
+
+    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, cache_cls: type) -> None:
+        self._send((num_blocks, block_size, kv_dtype, cache_cls))
+
+    def check_alive(self) -> None:
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise WorkerDiedError(f"tensor-parallel worker (pid {dead[0].pid}) exited with code {dead[0].exitcode}")
+
+    def _send(self, obj: Any) -> None:
+        self.check_alive()
+        try:
+            _broadcast(obj)
+        except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
+            raise WorkerDiedError(f"a tensor-parallel worker stopped answering: {e}") from e
+
+    def step(self, sched: Any, tables: dict[str, list[int]], gone: list[str], all_logits: bool = False) -> None:
+        plan = StepPlan(copies=list(sched.copies), gone=gone, all_logits=all_logits)
+        for rid in gone:
+            self._sent.pop(rid, None)
+        for s in sched.scheduled:
+            r = s.request
+            start = r.num_computed_tokens
+            plan.work.append((r.request_id, start, r.tokens_slice(start, start + s.num_new_tokens), s.num_spec,
+                              s.completes, r.num_prompt_tokens))
+            table, known = tables[r.request_id], self._sent.get(r.request_id, [])
+            at = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), min(len(table), len(known)))
+            if at < len(table) or len(known) != len(table):
+                plan.tables.append((r.request_id, at, table[at:]))
+                self._sent[r.request_id] = list(table)
+        self._send(plan)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if dist.is_initialized() and all(p.is_alive() for p in self.procs):
+                _broadcast(None)
+        except RuntimeError:
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+

@@ -1,0 +1,161 @@
+"""Attention over block tables.
+
+The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V.
+Each step the new tokens' K/V are written to their slots (block_id * block_size + offset), then
+every sequence attends over its own blocks. The rows of a step are ordered:
+1. "paged" rows: decodes and prefill chunks that start mid-sequence. They attend over the pool.
+   With the C++ op (fp32 model; fp32, bf16 or fp8 pool) all of them go through one call that reads K/V rows straight
+   from their blocks. Otherwise (pure torch): decodes are batched over gathered blocks masked by
+   context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
+2. prefills: fresh prompts (nothing cached before them) and long mid-sequence chunks. Over a bf16 pool
+   with the C++ op, one call attends them all on bf16 dot products, K/V read from the pool (q and p
+   rounded to bf16, as the op's paged rows do for that pool). Otherwise SDPA: fresh prompts on their
+   own new K/V, chunks on their gathered blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..platforms.cpu import Ops
+from .kv_cache import KVCache
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_table: torch.Tensor  # [num_blocks_of_seq]
+    mask: torch.Tensor | None  # [1, 1, q_len, ctx_len] bool; None: causal over the new tokens alone
+
+
+@dataclass
+class PagedRows:
+    """Inputs of the C++ op for rows [0, num_rows)."""
+
+    num_rows: int
+    block_tables: torch.Tensor  # [S, max_blocks] int64
+    row_seq: torch.Tensor  # [num_rows] int64
+    q_start: torch.Tensor  # [S]
+    q_len: torch.Tensor  # [S]
+    ctx_len: torch.Tensor  # [S]
+
+
+@dataclass
+class ChunkRows:
+    """Prefill chunks (meta.prefills) for the C++ chunk kernel of a bf16 pool."""
+
+    block_tables: torch.Tensor  # [P, max_blocks] int64
+    q_start: torch.Tensor  # [P]
+    q_len: torch.Tensor  # [P]
+    ctx_len: torch.Tensor  # [P]
+    scratch: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))  # the op grows it once a step
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step context shared by all layers; built once by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens]
+    num_decodes: int  # the first num_decodes rows are single-token sequences
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] (torch path)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] (torch path)
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    paged: PagedRows | None = None  # set when the C++ op serves the paged rows
+    chunks: ChunkRows | None = None  # set when the C++ op serves the prefills too (bf16 pools)
+    sliding_window: int | None = None
+    op: Callable | None = None
+
+
+def build_mask(q_len: int, ctx_len: int, sliding_window: int | None) -> torch.Tensor | None:
+    """Causal mask of a chunk whose q_len tokens are the last of ctx_len; None when plain
+    causal attention over the chunk alone is exact (nothing before it, no window)."""
+    start = ctx_len - q_len
+    if start == 0 and (sliding_window is None or ctx_len <= sliding_window):
+        return None
+    q_pos = torch.arange(start, ctx_len).unsqueeze(1)  # [q_len, 1]
+    k_pos = torch.arange(ctx_len).unsqueeze(0)  # [1, ctx_len]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask.view(1, 1, q_len, ctx_len)
+
+
+def build_decode_mask(ctx_lens: list[int], width: int, sliding_window: int | None) -> torch.Tensor:
+    lens = torch.tensor(ctx_lens).unsqueeze(1)  # [B, 1]
+    k_pos = torch.arange(width).unsqueeze(0)  # [1, width]
+    mask = k_pos < lens
+    if sliding_window is not None:
+        mask &= k_pos >= lens - sliding_window
+    return mask.view(len(ctx_lens), 1, 1, width)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] of the new tokens. Returns [T, H, D]."""
+    cache.write(meta.slot_mapping, k, v)
+    out = torch.empty_like(q)
+    p = meta.paged
+    if p is not None:
+        n = p.num_rows
+        k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+        meta.op(out[:n], q[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
+                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut)
+    elif meta.num_decodes:
+        nd = meta.num_decodes
+        kc, vc = cache.gather(meta.decode_block_tables)  # [B, L, KVH, D]
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),  # q: [B, H, 1, D]
+            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)  # [B, H, 1, D]
+        out[:nd] = o.squeeze(2)
+    _attend_prefills(q, k, v, cache, meta, scale, out)
+    return out
+
+
+def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                       cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The C++ path from a layer's fused qkv [T, (H + 2 KVH) D]: rope, the K/V write and the paged rows in
+    one call where the pool stores K/V as computed (fp32, bf16; an fp8 pool is written by its cache), then
+    SDPA for fresh prompts. cos, sin: [T, D / 2]. Returns [T, H, D]."""
+    t, kvh, d = qkv.shape[0], cache.k.shape[2], cache.k.shape[3]
+
+    def heads() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, H, D], k and v [T, KVH, D]: views
+        q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
+        return q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d)
+
+    if meta.op is None or cache.lossy:
+        ops.rope_(qkv, cos, sin, num_heads + kvh, d)
+        return paged_attention(*heads(), cache, meta, scale)
+    p = meta.paged
+    rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
+    c = meta.chunks
+    chunks = (c.block_tables, c.q_start, c.q_len, c.ctx_len, c.scratch) if c else (None,) * 5
+    out = ops.attention_qkv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, num_heads, rows, *tables, scale,
+                            meta.sliding_window or 0, *chunks)
+    if meta.prefills and c is None:
+        _attend_prefills(*heads(), cache, meta, scale, out)
+    return out
+
+
+def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                     scale: float, out: torch.Tensor) -> None:
+    """SDPA for the rows of meta.prefills (their K/V already in the pool), into out."""
+    for s in meta.prefills:
+        sl = slice(s.q_start, s.q_start + s.q_len)
+        qs = q[sl].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if s.mask is None and not cache.lossy:
+            ks, vs = k[sl], v[sl]
+            if cache.k.dtype != ks.dtype:  # attend to what the pool holds (rounded), as chunks and prefix hits do
+                ks, vs = ks.to(cache.k.dtype).to(ks.dtype), vs.to(cache.v.dtype).to(vs.dtype)
+        else:
+            ks, vs = cache.gather(s.block_table.unsqueeze(0))
+            ks, vs = ks[0, :s.ctx_len], vs[0, :s.ctx_len]  # [ctx_len, KVH, D]
+        o = F.scaled_dot_product_attention(
+            qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
+            attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True)
+        out[sl] = o[0].transpose(0, 1)

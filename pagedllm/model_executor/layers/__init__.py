@@ -1,0 +1,1 @@
+"""What a linear layer runs on: weight formats and their packed weights."""

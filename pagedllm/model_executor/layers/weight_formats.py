@@ -1,0 +1,137 @@
+"""Weight formats: how a linear layer's weights are stored and multiplied (docs/design/models-and-weights.md).
+
+A `WeightFormat` is one storage type (ggml's type traits: block size and bytes per block). A
+`PackedWeight` is one linear's weights in their kernel's layout, made once at load, with
+`matmul(x)` (x [M, K] fp32 -> [M, O] fp32, bias included) and `dequantize()` (the fp32 reference
+that tests, eval and fallbacks use). The model holds PackedWeights and never knows the format:
+- `DensePanels`: f32 or bf16, packed from a dense tensor into 48-column panels;
+- `GGMLWeight`: ggml block formats exactly as the GGUF file stores them (memory-mapped, not copied),
+  one or several parts stacked along the output rows (a fused q/k/v may mix Q4_K and Q6_K).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...platforms.cpu import Ops, pack_weight, pad_bias, unpack_weight
+from .formats import FORMATS, GGML_KERNEL_FORMATS, REPACKED, WeightFormat
+
+
+class PackedWeight:
+    ops: Ops
+    out_features: int
+    in_features: int
+
+    def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        """x [M, K] fp32 -> [M, O] fp32. decode_rows: how many leading rows of x are single-token decodes
+        (-1: unknown); a format whose kernel path depends on the rows (GGML blocks) chooses it by them, so
+        that a row's result does not depend on the batch it came in."""
+        raise NotImplementedError
+
+    def dequantize(self) -> Tensor:  # [O, K] fp32
+        raise NotImplementedError
+
+    def matmul_silu_and_mul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        """silu(gate) * up of this [gate | up] linear: x [M, K] fp32 -> [M, O / 2] fp32. A format whose kernel
+        can apply it to its own output tiles overrides this."""
+        return self.ops.silu_and_mul(self.matmul(x, decode_rows))
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def format_name(self) -> str:
+        raise NotImplementedError
+
+
+FUSED_SILU_MIN_ROWS = 16
+
+
+class DensePanels(PackedWeight):
+    """fp32 or bf16 weights in 48-column panels (csrc ops.cpp / linear_bf16.cpp)."""
+
+    def __init__(self, ops: Ops, w: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        self.ops, self.out_features, self.in_features = ops, w.shape[0], w.shape[1]
+        self.data = ops.pack_bf16(w) if dtype == torch.bfloat16 else pack_weight(w.float())
+        self.bias = pad_bias(bias.float()) if bias is not None else None
+
+    def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:  # the same path for every row
+        if self.data.dtype == torch.bfloat16:
+            return self.ops.linear_bf16(x, self.data, self.bias, self.out_features)
+        return self.ops.packed_linear(x, self.data, self.bias, self.out_features)
+
+    def matmul_silu_and_mul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        # bf16 panels whose gate and up halves are whole panels: in one pass, the product never stored. Under
+        # FUSED_SILU_MIN_ROWS the product fits in L2 anyway, and the fused kernel's two weight streams a thread
+        # (gate and up panels) cost more than they save (Zen 5, 30 layers' 576 -> 2 x 1536 from memory: 1 row
+        # 95 vs 112 us, 8 rows 135 vs 140, 16 rows 165 vs 159, 512 rows 2472 vs 2349). The results are the same bits.
+        if self.data.dtype == torch.bfloat16 and self.out_features % 96 == 0 and x.shape[0] >= FUSED_SILU_MIN_ROWS:
+            return self.ops.linear_bf16_silu_mul(x, self.data, self.bias, self.out_features)
+        return super().matmul_silu_and_mul(x)
+
+    def dequantize(self) -> Tensor:
+        return unpack_weight(self.data, self.out_features)[:, :self.in_features].float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def format_name(self) -> str:
+        return "bf16" if self.data.dtype == torch.bfloat16 else "f32"
+
+
+class GGMLWeight(PackedWeight):
+    """Rows of ggml blocks, in parts stacked along the outputs: parts[i] is [O_i, row_bytes] uint8 as the
+    file stores it. Where this CPU runs a format repacked (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI: 16-row
+    groups, the same bytes per weight, csrc/linear_x16.cpp) the part is repacked once here; `repacked`
+    says which, so the loader can drop the file's pages of those."""
+
+    def __init__(self, ops: Ops, parts: list[tuple[Tensor, WeightFormat]], in_features: int,
+                 bias: Tensor | None = None) -> None:
+        for data, fmt in parts:
+            if fmt.name not in GGML_KERNEL_FORMATS or in_features % fmt.block_weights:
+                raise ValueError(f"{fmt.name} cannot run a linear of {in_features} inputs in place")
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != fmt.row_bytes(in_features):
+                raise ValueError(f"{fmt.name} part {tuple(data.shape)} is not rows of {in_features} weights")
+        self.ops, self.in_features = ops, in_features
+        self.formats = [f for _, f in parts]
+        self.rows_per_part = [d.shape[0] for d, _ in parts]
+        self.out_features = sum(self.rows_per_part)
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.repacked = [bool(ops.ggml_repacks(f.ggml_type)) for _, f in parts]
+        self._weights = [ops.repack_ggml(d, f.ggml_type) if r else d for (d, f), r in zip(parts, self.repacked)]
+        self._types = [f.ggml_type + REPACKED if r else f.ggml_type for (_, f), r in zip(parts, self.repacked)]
+
+    def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        return self.ops.linear_ggml(x, self._weights, self._types, self.rows_per_part, self.bias, self.out_features,
+                                    decode_rows)
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([self.ops.dequantize_ggml(w, t, self.in_features, n, None)
+                          for w, t, n in zip(self._weights, self._types, self.rows_per_part)])
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Embedding lookup: rows `ids` dequantized, [len(ids), K] fp32 (single-part weights)."""
+        (w,), (t,), (n,) = self._weights, self._types, self.rows_per_part
+        return self.ops.dequantize_ggml(w, t, self.in_features, n, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for d in self._weights)
+
+    @property
+    def format_name(self) -> str:
+        return "+".join(dict.fromkeys(f.name for f in self.formats))
+
+
+def quantize(ops: Ops, w: Tensor, bias: Tensor | None, name: str) -> GGMLWeight:
+    """A dense [O, K] weight quantized at load into a ggml format (gguf-py's quantizers)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    fmt = FORMATS[name]
+    raw = gguf_quantize(w.float().numpy(), GGMLQuantizationType(fmt.ggml_type))
+    return GGMLWeight(ops, [(torch.from_numpy(raw), fmt)], w.shape[1], bias)

@@ -1,0 +1,1 @@
+"""The CPU platform: kernel builds and ISA dispatch, allocator tuning."""

@@ -1,0 +1,1 @@
+"""Sampling: the sampler and structured outputs (grammars)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram and draft-model proposers, acceptance bookkeeping."""

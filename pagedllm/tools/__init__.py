@@ -1,0 +1,1 @@
+"""Planning, simulation, evaluation and workload generation."""

@@ -1,0 +1,184 @@
+"""Capacity planning: the seed's KV arithmetic for any model config. No torch here.
+
+KV bytes per token = 2 (K and V) x layers x num_kv_heads x head_dim x bytes per element (GQA
+counts: only the KV heads are stored). Static serving reserves max_model_len per sequence; paging
+holds what each sequence really uses, rounded up to one block.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..config import parse_size
+from ..model_executor.layers.formats import FORMATS
+
+KV_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
+FP8_SCALE_BYTES = 2  # one bf16 scale per token and kv head (see kv_quant.py)
+
+
+@dataclass
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_model_len: int
+    tie_word_embeddings: bool = False
+    weights_bytes: int | None = None  # as deployed, when known
+
+    @property
+    def num_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+PRESETS = {
+    # the seed's examples: MHA (kv heads = heads), FP16 weights
+    "seed-7b": ModelShape("seed-7b (LLaMA-7B shape)", 32, 4096, 32, 32, 128, 11008, 32000, 2048,
+                          weights_bytes=14 * 10**9),
+    "seed-13b": ModelShape("seed-13b (LLaMA-13B shape)", 40, 5120, 40, 40, 128, 13824, 32000, 4096,
+                           weights_bytes=26 * 10**9),
+    "smollm2-135m": ModelShape("SmolLM2-135M-Instruct", 30, 576, 9, 3, 64, 1536, 49152, 8192,
+                               tie_word_embeddings=True),
+}
+
+
+def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
+    heads = cfg["num_attention_heads"]
+    return ModelShape(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
+                      cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                      cfg["intermediate_size"], cfg["vocab_size"], cfg.get("max_position_embeddings", 2048),
+                      cfg.get("tie_word_embeddings", False))
+
+
+def shape_from_gguf(path: Path) -> ModelShape:
+    from ..model_executor.model_loader.gguf_file import open_gguf
+
+    r = open_gguf(path)
+    arch = r.fields["general.architecture"].contents()
+    stored = sum(int(t.n_bytes) for t in r.tensors)  # what the engine holds: the file's formats, as stored
+
+    def g(key: str, default=None):
+        f = r.fields.get(f"{arch}.{key}")
+        return f.contents() if f is not None else default
+
+    heads, hidden = int(g("attention.head_count")), int(g("embedding_length"))
+    vocab = g("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    return ModelShape(path.stem, int(g("block_count")), hidden, heads, int(g("attention.head_count_kv", heads)),
+                      int(g("attention.key_length", hidden // heads)), int(g("feed_forward_length")), int(vocab),
+                      int(g("context_length", 2048)), not any(t.name == "output.weight" for t in r.tensors),
+                      weights_bytes=stored)
+
+
+def load_shape(model: str | None = None, preset: str | None = None) -> ModelShape:
+    if preset:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+        return PRESETS[preset]
+    if model is None:
+        return PRESETS["smollm2-135m"]
+    p = Path(model)
+    if p.suffix == ".gguf":
+        return shape_from_gguf(p)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    return shape_from_hf_config(json.loads(cfg_path.read_text()), p.name if p.is_dir() else p.parent.name)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
+    per_elem = KV_DTYPE_BYTES[kv_dtype]
+    per_head = shape.head_dim * per_elem + (FP8_SCALE_BYTES if kv_dtype.startswith("fp8") else 0)
+    return int(2 * shape.num_layers * shape.num_kv_heads * per_head)
+
+
+@dataclass
+class Plan:
+    model: str
+    kv_dtype: str
+    block_size: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    kv_bytes_per_seq_max_len: int
+    memory_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    kv_budget_bytes: int
+    mean_prompt: int
+    mean_output: int
+    kv_bytes_per_seq_paged: int
+    max_seqs_static: int
+    max_seqs_paged: int
+    static_utilization: float  # tokens really used / tokens reserved, at the expected lengths
+    paged_utilization: float
+    concurrency: int | None = None  # when asked: the KV that many sequences need both ways
+    kv_bytes_static_at_concurrency: int | None = None
+    kv_bytes_paged_at_concurrency: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(shape: ModelShape, memory: str | int, kv_dtype: str = "float16", block_size: int = 16,
+         max_model_len: int | None = None, weights_memory: str | int | None = None,
+         activation_memory: str | int | None = 0, mean_prompt: int = 512, mean_output: int = 256,
+         weight_dtype_bytes: float | None = None, concurrency: int | None = None,
+         weight_format: str | None = None) -> Plan:
+    """weight_format: the weights' storage format (f32, bf16, q8_0, q4_0, q4_k, ...): parameters x its
+    bytes per weight; default: as deployed (a GGUF's own formats; the presets' fp16), else 2 bytes."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"kv dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
+    max_len = max_model_len or shape.max_model_len
+    mem = parse_size(memory)
+    if weights_memory is not None:
+        weights = parse_size(weights_memory)
+    elif weight_format is not None:
+        if weight_format not in FORMATS:
+            raise ValueError(f"weight format must be one of {sorted(FORMATS)}, got {weight_format!r}")
+        weights = int(shape.num_params * FORMATS[weight_format].bytes_per_weight)
+    else:
+        wbytes = weight_dtype_bytes or (4 if kv_dtype == "float32" else 2)
+        weights = shape.weights_bytes or shape.num_params * wbytes
+    act = parse_size(activation_memory) if activation_memory else 0
+    budget = mem - weights - act
+    if budget <= 0:
+        raise ValueError(f"nothing left for KV: memory {mem} - weights {weights} - activations {act} <= 0")
+    per_tok = kv_bytes_per_token(shape, kv_dtype)
+    per_seq_max = per_tok * max_len
+    used = min(max_len, mean_prompt + mean_output)
+    blocks = -(-used // block_size)
+    per_seq_paged = blocks * block_size * per_tok
+    return Plan(shape.name, kv_dtype, block_size, max_len, per_tok, per_seq_max, mem, weights, act, budget,
+                mean_prompt, mean_output, per_seq_paged, budget // per_seq_max, budget // per_seq_paged,
+                used / max_len, used / (blocks * block_size), concurrency,
+                concurrency * per_seq_max if concurrency else None,
+                concurrency * per_seq_paged if concurrency else None)
+
+
+def format_plan(p: Plan) -> str:
+    gb = 1e9
+    lines = [
+        f"model                      {p.model}",
+        f"KV bytes per token         {p.kv_bytes_per_token:,} B ({p.kv_dtype})",
+        f"KV per sequence @ {p.max_model_len:<8} {p.kv_bytes_per_seq_max_len / gb:.3f} GB",
+        f"memory                     {p.memory_bytes / gb:.1f} GB = weights {p.weights_bytes / gb:.1f} GB"
+        f" + activations {p.activation_bytes / gb:.1f} GB + KV budget {p.kv_budget_bytes / gb:.1f} GB",
+        f"expected tokens per seq    {p.mean_prompt} prompt + {p.mean_output} output",
+        "",
+        f"{'':26} {'static (max-length)':>20} {'paged (block ' + str(p.block_size) + ')':>20}",
+        f"{'KV reserved per sequence':26} {p.kv_bytes_per_seq_max_len / gb:>18.3f}GB {p.kv_bytes_per_seq_paged / gb:>18.3f}GB",
+        f"{'concurrent sequences':26} {p.max_seqs_static:>20} {p.max_seqs_paged:>20}",
+        f"{'KV utilization':26} {p.static_utilization:>19.1%} {p.paged_utilization:>19.1%}",
+    ]
+    if p.concurrency:
+        lines.append(f"{'KV for ' + str(p.concurrency) + ' sequences':26} "
+                     f"{p.kv_bytes_static_at_concurrency / gb:>18.1f}GB {p.kv_bytes_paged_at_concurrency / gb:>18.1f}GB")
+    if p.max_seqs_static:
+        lines.append(f"\npaging fits {p.max_seqs_paged / p.max_seqs_static:.1f}x the concurrent sequences")
+    return "\n".join(lines)
