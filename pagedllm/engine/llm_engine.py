@@ -27,7 +27,7 @@ from ..tokenizer import IncrementalDetokenizer
 from .input_processor import InputProcessor, PromptType
 from .kv_sizing import size_kv_pool
 from .output_processor import RequestGroup, check_stop, finish_text, make_output
-from .stats import EngineStats, engine_stats, kv_snapshot
+from .stats import EngineStats, EngineView, engine_stats, kv_snapshot
 
 __all__ = ["EngineStats", "LLMEngine", "PromptType"]
 
@@ -347,9 +347,13 @@ class LLMEngine:
             self.tp.close()
 
     # ---- introspection -------------------------------------------------------------------
+    def _view(self) -> EngineView:
+        return EngineView(self.block_manager, self.scheduler, self.spec_counters, self.num_steps, self.bytes_per_block,
+                          self.model_name, self.max_model_len)
+
     def kv_snapshot(self) -> dict:
         """The KV pool block by block, the live requests and counters (stats.kv_snapshot); the dashboard draws it."""
-        return kv_snapshot(self)
+        return kv_snapshot(self._view())
 
-    def stats(self, filled: int | None = None, cached_free: int | None = None) -> EngineStats:
-        return engine_stats(self, filled, cached_free)
+    def stats(self) -> EngineStats:
+        return engine_stats(self._view())

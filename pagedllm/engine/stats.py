@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
+from ..core.block_manager import BlockManager
+from ..core.scheduler import Scheduler
+from ..spec_decode.ngram import SpecDecodeCounters
 
 
 @dataclass
@@ -39,7 +39,20 @@ class EngineStats:
         return asdict(self)
 
 
-def engine_stats(engine: LLMEngine, filled: int | None = None, cached_free: int | None = None) -> EngineStats:
+@dataclass
+class EngineView:
+    """What the reports read of an engine."""
+
+    block_manager: BlockManager
+    scheduler: Scheduler
+    spec_counters: SpecDecodeCounters
+    num_steps: int
+    bytes_per_block: int
+    model_name: str
+    max_model_len: int
+
+
+def engine_stats(engine: EngineView, filled: int | None = None, cached_free: int | None = None) -> EngineStats:
     """filled / cached_free: when the caller has them already (kv_snapshot), not counted again."""
     bm, sc, spec = engine.block_manager, engine.scheduler, engine.spec_counters
     used = bm.num_used_blocks
@@ -60,7 +73,7 @@ def engine_stats(engine: LLMEngine, filled: int | None = None, cached_free: int 
         spec_accepted_per_pos=list(spec.accepted_per_pos))
 
 
-def kv_snapshot(engine: LLMEngine) -> dict:
+def kv_snapshot(engine: EngineView) -> dict:
     """The KV pool block by block, the live requests, the counters, and what the running requests would
     reserve under static max-length allocation. Built between steps (from the engine's thread)."""
     t0 = time.perf_counter()

@@ -259,6 +259,7 @@ def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):
         LLM(chat_model_dir, speculative_config={"method": "draft_model", "model": str(default_model_path())})
 
 
+@pytest.mark.slow
 def test_server_flag_and_prometheus_counters(chat_model_dir):
     import httpx
     from test_server import Server

@@ -15,6 +15,8 @@ from helpers import Server
 
 from pagedllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
 
 @pytest.fixture(scope="module")
 def server(chat_model_dir):

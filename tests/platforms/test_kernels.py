@@ -358,6 +358,7 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     assert_attention_close(alone, ref[last], torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_attention_without_avx512(ops_avx2) -> None:
     """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions
     split into AVX2 halves; bf16::tile's generic loops)."""
@@ -430,6 +431,7 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     assert_attention_close(out, alone, torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path):
     """ninja and its compilers outlive a builder killed mid-build; the next builder (holding the flock) stops
     whatever still works in the build folder before compiling there itself."""

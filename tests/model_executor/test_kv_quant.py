@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -55,8 +57,9 @@ def test_compact_kv_close_to_fp32(llama_dir, kv):
     assert rel < {"bfloat16": 0.01, "fp8_e4m3": 0.1, "fp8_e5m2": 0.2}[kv]
 
 
+@pytest.mark.slow
 def test_default_model_fp8_perplexity_within_2_percent():
-    text = open("tests/data/english.txt", encoding="utf-8").read()
+    text = open(Path(__file__).parents[1] / "data" / "english.txt", encoding="utf-8").read()
     ppl = {}
     for kv in ("float32", "fp8_e4m3"):
         llm = LLM(kv_cache_dtype=kv, kv_cache_memory="512MiB", max_model_len=4096)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm import SamplingParams
+
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
 
 
 def test_chat_knows_paris(smollm):

@@ -13,6 +13,8 @@ import pytest
 from helpers import Server
 from pydantic import BaseModel, Field
 
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
 ADDRESS = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 40},
                                             "city": {"type": "string", "maxLength": 30},
                                             "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},

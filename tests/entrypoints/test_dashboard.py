@@ -13,7 +13,9 @@ import httpx
 import pytest
 from helpers import Server
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 SYSTEM = "You are a careful assistant. Answer in two short sentences, citing one fact. " * 6
 STATES = ("free", "cached", "used", "shared")
 

@@ -151,6 +151,7 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
         assert torch.equal(y, plain)
 
 
+@pytest.mark.slow
 def test_fallback_isa_paths(ops_avx2) -> None:
     """What a CPU without AVX-512 compiles (Zen 3: AVX2), built here by masking this CPU's flags: the
     file layout only (nothing repacked), the same references as above. (The scalar path, for CPUs

@@ -16,6 +16,8 @@ import httpx
 import pytest
 from helpers import Server, free_port
 
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
 HOSTILE = [
     ("/v1/completions", {"prompt": "a\ud800b"}),
     ("/v1/completions", {"prompt": "hi", "bad_words": ["\ud800"]}),

@@ -14,6 +14,8 @@ from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.executor.tp import StepPlan, TPDriver, WorkerDiedError, apply_tables, plan_to_sched
 
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
 OPTIONS = dict(dtype="float32", num_threads=1, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24)
 
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 from helpers import Server
 
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
 MAX_TOKENS = [1, 1, 1, 1, 2, 3, 5, 8, 16, 32, 64]
 
 

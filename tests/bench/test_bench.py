@@ -9,6 +9,8 @@ import sys
 import pytest
 from helpers import Server
 
+pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
+
 
 def run_bench(*args: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", *args, "--no-progress"],

@@ -110,6 +110,7 @@ def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):
     assert tight.stats().num_preemptions > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx512f", "generic"])
 def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):
     """The paths a CPU without AVX512-BF16 (or without AVX-512: Zen 3) compiles, built here by
