@@ -13,10 +13,10 @@ import torch
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.request import Request, RequestStatus
-from ..core.scheduler import Scheduler
+from ..core.scheduler import Scheduler, SchedulerOutput
 from ..errors import ConfigError, InvalidRequestError
 from ..model_executor.model_loader import load_model
-from ..model_executor.model_runner import ModelRunner
+from ..model_executor.model_runner import ModelRunner, StepResult
 from ..outputs import Logprob, RequestOutput
 from ..platforms.allocator import keep_freed_memory
 from ..sample.sampler import Sampler, SampleResult
@@ -172,10 +172,7 @@ class LLMEngine:
         self.num_steps += 1
         if self.draft is not None:
             self.draft.run(sched, self.block_manager.tables)
-        if self.tp is not None:  # the workers run the same step on their shards
-            gone, self._tp_gone = self._tp_gone, []
-            self.tp.step(sched, self.block_manager.tables, gone)
-        res = self.runner.execute(sched, self.block_manager.tables)
+        res = self.execute(sched)
         # from here on, an exception is one request's: its group is aborted alone (failed), the batch goes on
         failed: dict[str, BaseException] = {}
         # a leader finishing its prompt also samples the first token of each of its forks; a speculating
@@ -241,6 +238,20 @@ class LLMEngine:
             out = self._finalize_if_done(g) or make_output(g)
             outs.append(out)
         return outs
+
+    def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> StepResult:
+        """Run a scheduled step on every rank (tensor-parallel workers on their shards, with the tables of
+        requests gone since the last step dropped); the driver's logits come back."""
+        if self.tp is not None:
+            gone, self._tp_gone = self._tp_gone, []
+            self.tp.step(sched, self.block_manager.tables, gone, all_logits)
+        return self.runner.execute(sched, self.block_manager.tables, all_logits=all_logits)
+
+    def free_blocks(self, request_id: str) -> None:
+        """Free the blocks of work run outside the scheduler (scoring a text), on every rank."""
+        self.block_manager.free(request_id)
+        if self.tp is not None:
+            self._tp_gone.append(request_id)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                 failed: dict[str, BaseException]) -> list[SampleResult | None]:

@@ -32,7 +32,7 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._req_generators.pop(request_id, None)
 
-    def _gen(self, req: Request) -> torch.Generator:
+    def generator_for(self, req: Request) -> torch.Generator:
         if req.params.seed is None:
             return self.generator
         g = self._req_generators.get(req.request_id)
@@ -120,12 +120,12 @@ class Sampler:
                 row[banned] = float("-inf")
 
     def _sample_row(self, row: torch.Tensor, req: Request) -> int:
-        probs = self._probs(row, req)
+        probs = self.probs(row, req)
         if probs is None:
             return int(row.argmax())
-        return int(torch.multinomial(probs, 1, generator=self._gen(req)))
+        return int(torch.multinomial(probs, 1, generator=self.generator_for(req)))
 
-    def _probs(self, row: torch.Tensor, req: Request) -> torch.Tensor | None:
+    def probs(self, row: torch.Tensor, req: Request) -> torch.Tensor | None:
         """The distribution a sampled request draws from (temperature, top-k, min-p, top-p), or None
         when every token is banned."""
         p = req.params
@@ -175,22 +175,22 @@ class Sampler:
                 if p.greedy:
                     tok = int(row.argmax())
                 else:
-                    probs = self._probs(row, req)
+                    probs = self.probs(row, req)
                     if probs is None:
                         tok = int(row.argmax())
                     elif d is None:
-                        tok = int(torch.multinomial(probs, 1, generator=self._gen(req)))
+                        tok = int(torch.multinomial(probs, 1, generator=self.generator_for(req)))
                     else:
                         q = draft_probs[i] if draft_probs is not None else None
                         qd = float(q[d]) if q is not None else 1.0
-                        u = float(torch.rand(1, generator=self._gen(req)))
+                        u = float(torch.rand(1, generator=self.generator_for(req)))
                         if qd > 0 and u < min(1.0, float(probs[d]) / qd):
                             tok = d
                         else:
                             resid = (probs - q).clamp_(min=0) if q is not None else probs.clone()
                             if q is None:
                                 resid[d] = 0
-                            tok = int(torch.multinomial(resid, 1, generator=self._gen(req))) if resid.sum() > 0 \
+                            tok = int(torch.multinomial(resid, 1, generator=self.generator_for(req))) if resid.sum() > 0 \
                                 else int(probs.argmax())
                             d = None  # rejected: the token drawn is the target's own, even if it equals d
                 out.append(self._result(torch.log_softmax(logits[i], -1) if p.logprobs is not None else None, tok,

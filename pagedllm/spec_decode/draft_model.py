@@ -113,8 +113,8 @@ class DraftModel:
                 if r.params.greedy:
                     d = int(row.argmax())
                 else:
-                    q = self.sampler._probs(row.clone(), r)
-                    d = int(row.argmax()) if q is None else int(torch.multinomial(q, 1, generator=self.sampler._gen(r)))
+                    q = self.sampler.probs(row.clone(), r)
+                    d = int(row.argmax()) if q is None else int(torch.multinomial(q, 1, generator=self.sampler.generator_for(r)))
                     qs[r.request_id].append(q if q is not None else torch.nn.functional.one_hot(
                         torch.tensor(d), row.shape[0]).float())
                 drafts[r.request_id].append(d)

@@ -30,15 +30,11 @@ def chunk_logits(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> I
                 raise RuntimeError("KV pool too small for the text")
             req.num_computed_tokens = done
             sched = SchedulerOutput([ScheduledRequest(req, n)])
-            if engine.tp is not None:  # the workers score the same chunk on their shards
-                engine.tp.step(sched, bm.tables, [], all_logits=True)
-            res = engine.runner.execute(sched, bm.tables, all_logits=True)
+            res = engine.execute(sched, all_logits=True)  # every rank scores the chunk
             yield done, res.logits
             done += n
     finally:
-        bm.free(rid)
-        if engine.tp is not None:
-            engine._tp_gone.append(rid)
+        engine.free_blocks(rid)
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> float:
