@@ -1,0 +1,65 @@
+"""The engine and sampling flags every CLI command shares, and what they turn into."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default=None, choices=["none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                   help="default: weights as stored (a GGUF's own formats); none: dequantize a GGUF to --dtype; "
+                        "else quantize the linears at load")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool budget, e.g. 512MiB, 2GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--memory-utilization", type=float, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "reserve"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="worker processes over torch.distributed (gloo on CPU); under torchrun, ranks > 0 serve "
+                        "as workers")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or \'{"method": "draft_model", "model": PATH}\'')
+
+
+ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
+               "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads", "speculative_config",
+               "tensor_parallel_size")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--n", type=int, default=1)
+
+
+def sampling_params(args: argparse.Namespace):
+    from ..sampling_params import SamplingParams
+
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.sampling_seed, stop=args.stop, max_tokens=args.max_tokens)
