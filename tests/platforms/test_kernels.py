@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.model_executor.models.llama import rotate_half
+from pagedllm.model_executor.layers.backends import rotate_half
 from pagedllm.platforms.cpu import load_ops, pack_weight, pad_bias, unpack_weight
 
 

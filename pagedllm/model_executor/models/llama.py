@@ -10,14 +10,15 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...platforms.cpu import Ops
-from ..attention import AttentionMetadata, attention_from_qkv, paged_attention
+from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
+from ..layers.backends import Backend, TorchReference, backend_for
+from ..layers.linear import PackedLinear, VocabEmbedding
 from ..layers.weight_formats import DensePanels, GGMLWeight, PackedWeight
 from .config import ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames
@@ -51,33 +52,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ops: Ops | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(residual + x), residual + x); without a residual, x is the residual stream.
-        The C++ op adds in place into `residual` and normalizes in the same pass."""
-        if ops is not None:
-            if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps, None), x
-            return ops.rms_norm(x, self.weight, self.eps, residual), residual
-        if residual is not None:
-            x = x + residual
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype), x
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    """nn.Linear plus `packed`: the PackedWeight its matmul runs on once the C++ kernels are in use (or
-    as the GGUF file stores it), None for torch's F.linear on `weight`."""
-    lin = nn.Linear(in_features, out_features, bias=bias)
-    lin.packed = None
-    return lin
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); without a residual, x is the residual stream."""
+        return backend.rms_norm(self.weight, self.eps, x, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -86,52 +63,29 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, "qkv_proj" in biases)
-        self.o_proj = _linear(self.q_size, cfg.hidden_size, "o_proj" in biases)
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, "gate_up_proj" in biases)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, "down_proj" in biases)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, "qkv_proj" in biases)
+        self.o_proj = PackedLinear(self.q_size, cfg.hidden_size, "o_proj" in biases)
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, "gate_up_proj" in biases)
+        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, "down_proj" in biases)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
-        self.ops: Ops | None = None
-        self.tp: TPGroup | None = None  # tensor parallelism: this rank's heads and MLP slice
-
-    def _linear(self, x: torch.Tensor, layer: nn.Linear, decode_rows: int) -> torch.Tensor:
-        if layer.packed is None:
-            return layer(x)
-        return layer.packed.matmul(x, decode_rows)  # [T, out] fp32 whatever the weights' format
+        self.backend: Backend = TorchReference()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's input delta, residual: the stream before it (None at layer 0).
-        cos, sin: [T, D / 2] with the C++ ops, else [T, 1, D]. Returns (mlp output, residual)."""
-        t = x.shape[0]
-        h, residual = self.input_layernorm(x, residual, self.ops)
+        """x: this layer's input delta, residual: the stream before it (None at layer 0); cos, sin: the
+        backend's rope tables. Returns (mlp output, residual)."""
+        t, be = x.shape[0], self.backend
+        h, residual = self.input_layernorm(x, residual, be)
         nd = meta.num_decodes  # the leading rows are decodes: a weight format may choose its path by them
-        qkv = self._linear(h, self.qkv_proj, nd)  # [T, q_size + 2 * kv_size]
-        if self.ops is not None:
-            a = attention_from_qkv(self.ops, qkv, cos, sin, self.num_heads, cache, meta, self.scale)  # [T, H, D]
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-            v = v.view(t, self.num_kv_heads, self.head_dim)
-            q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
-            k = k * cos + rotate_half(k) * sin
-            a = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
-        o = self._linear(a.view(t, self.q_size), self.o_proj, nd)
-        if self.tp is not None:  # row-parallel: the ranks' partial sums
-            self.tp.all_reduce(o)
-        h, residual = self.post_attention_layernorm(o, residual, self.ops)
-        if self.ops is not None:  # set_ops packed every linear
-            act = self.gate_up_proj.packed.matmul_silu_and_mul(h, nd)  # [T, intermediate]
-        else:
-            gate, up = self._linear(h, self.gate_up_proj, nd).chunk(2, dim=-1)  # [T, intermediate] each
-            act = F.silu(gate) * up
-        out = self._linear(act, self.down_proj, nd)
-        if self.tp is not None:
-            self.tp.all_reduce(out)
-        return out, residual
+        qkv = self.qkv_proj(h, nd)  # [T, q_size + 2 * kv_size]
+        a = be.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
+                         self.scale)  # [T, H, D]
+        o = self.o_proj(a.view(t, self.q_size), nd)
+        h, residual = self.post_attention_layernorm(o, residual, be)
+        act = be.gate_up_act(self.gate_up_proj, h, nd)  # [T, intermediate]
+        return self.down_proj(act, nd), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,31 +114,43 @@ class LlamaForCausalLM(nn.Module):
         """biases: the attribute names of the layers' linears that have one in the checkpoint."""
         super().__init__()
         self.cfg = cfg
-        # _weight: no random init (the loader fills it; nn.init.normal_ under a meta device context goes
-        # through torch._refs, which imports torch._dynamo and triton: ~70 MiB of RSS and ~1 s of startup)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, biases) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, False)
-        self.embed_packed: GGMLWeight | None = None  # a quantized table, looked up row by row
+        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_len = 0
         self.ops: Ops | None = None
-        self.tp: TPGroup | None = None  # tensor parallelism: vocab-parallel embedding and lm_head over vocab_range
-        self.vocab_range = (0, cfg.vocab_size)
+        self.backend: Backend = TorchReference()
+        self.tp: TPGroup | None = None
+
+    @property
+    def embed_packed(self) -> GGMLWeight | None:
+        """A quantized token table, looked up row by row (None: dense)."""
+        return self.embed_tokens.packed
+
+    @embed_packed.setter
+    def embed_packed(self, packed: GGMLWeight | None) -> None:
+        self.embed_tokens.packed = packed
+
+    @property
+    def vocab_range(self) -> tuple[int, int]:
+        return self.embed_tokens.vocab_range
 
     def use_tensor_parallel(self, tp: TPGroup) -> None:
         """The loader cut this rank's shards; the layers now count this rank's heads and reduce across ranks."""
         cfg, n = self.cfg, tp.world
         hq, hk, d = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.head_dim
-        self.vocab_range = tp.span(cfg.vocab_size)
         self.tp = tp
+        self.embed_tokens.tp, self.embed_tokens.vocab_range = tp, tp.span(cfg.vocab_size)
+        self.lm_head.gather = tp  # vocab-parallel logits
+        row_parallel = [spec.attr for spec in self.WEIGHTS.linears if spec.parallel == "row"]
         for layer in self.layers:
             layer.num_heads, layer.num_kv_heads = hq, hk
             layer.q_size, layer.kv_size = hq * d, hk * d
-            layer.tp = tp
+            for attr in row_parallel:  # the ranks' partial sums
+                getattr(layer, attr).reduce = tp
 
     def _linears(self) -> list[nn.Linear]:
         per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
@@ -226,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         except a tied lm_head's, which is the embedding table; linears already packed (GGUF blocks) stay
         as they are. Activations, norms and the residual stream stay fp32 either way."""
         self.ops = ops
+        self.backend = backend_for(ops)
         for layer in self.layers:
-            layer.ops = ops
+            layer.backend = self.backend
         for lin in self._linears():
             if ops is not None and lin.packed is None:
                 w = lin.weight.data
@@ -255,28 +222,13 @@ class LlamaForCausalLM(nn.Module):
             freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.cfg))
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
             self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
-        if self.ops is not None:  # the C++ op reads the first half of each (duplicated) table row
-            half = self._cos.shape[1] // 2
-            return self._cos[positions, :half], self._sin[positions, :half]  # [T, D / 2]
-        cos = self._cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self._sin[positions].to(dtype).unsqueeze(1)
-        return cos, sin
+        return self.backend.rope_tables(self._cos, self._sin, positions, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
-        if self.tp is not None:  # this rank's rows of the table; the others' come from the all-reduce
-            lo, hi = self.vocab_range
-            mine = (input_ids >= lo) & (input_ids < hi)
-            local = (input_ids - lo).clamp(0, hi - lo - 1)
-            x = self.embed_packed.rows(local) if self.embed_packed is not None else self.embed_tokens(local)
-            x = x * mine.unsqueeze(1)  # [T, hidden]
-            self.tp.all_reduce(x)
-        elif self.embed_packed is not None:
-            x = self.embed_packed.rows(input_ids)  # [T, hidden] fp32
-        else:
-            x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, caches):
@@ -284,8 +236,6 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices.numel() == 0:  # KV only (a draft model mirroring a step)
             return torch.zeros(0, self.cfg.vocab_size)
         # only the rows we sample from reach the final norm and the lm_head
-        x, _ = self.norm(x[logits_indices], residual[logits_indices], self.ops)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices], self.backend)
         # the sampled rows keep the step's order: the decodes' rows first
-        logits = self.lm_head.packed.matmul(x, meta.num_decodes) if self.lm_head.packed is not None \
-            else self.lm_head(x).float()
-        return logits if self.tp is None else self.tp.all_gather_last(logits)  # [R, vocab]
+        return self.lm_head(x, meta.num_decodes).float()  # [R, vocab]

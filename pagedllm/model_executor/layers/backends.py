@@ -1,0 +1,91 @@
+"""The compute a decoder layer asks for, one implementation per backend, chosen once when the model is
+set up: `CpuKernels` (the C++ ops: fused RMSNorm + residual, rope + K/V write + paged attention in one
+call, the MLP's silu(gate) * up on packed weights) and `TorchReference` (plain torch in the model's dtype,
+the oracle the kernels are tested against). The model never branches on which one it has.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...platforms.cpu import Ops
+from ..attention import AttentionMetadata, attention_from_qkv, paged_attention
+from ..kv_cache import KVCache
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class TorchReference:
+    name = "torch"
+
+    def rms_norm(self, weight: torch.Tensor, eps: float, x: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); without a residual, x is the residual stream."""
+        if residual is not None:
+            x = x + residual
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype), x
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [n, D] fp32 tables -> [T, 1, D] in the activations' dtype."""
+        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """qkv: [T, (H + 2 KVH) D] -> [T, H, D]: rope, the K/V write, attention over the pool."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = q.view(t, num_heads, head_dim)
+        k = k.view(t, num_kv_heads, head_dim)
+        v = v.view(t, num_kv_heads, head_dim)
+        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
+        k = k * cos + rotate_half(k) * sin
+        return paged_attention(q, k, v, cache, meta, scale)
+
+    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """silu(gate) * up of the fused gate_up projection: [T, intermediate]."""
+        out = gate_up(h) if gate_up.packed is None else gate_up.packed.matmul(h, decode_rows)
+        gate, up = out.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class CpuKernels:
+    name = "cpu"
+
+    def __init__(self, ops: Ops) -> None:
+        self.ops = ops
+
+    def rms_norm(self, weight: torch.Tensor, eps: float, x: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op adds x into `residual` in place and normalizes in the same pass."""
+        if residual is None:
+            return self.ops.rms_norm(x, weight, eps, None), x
+        return self.ops.rms_norm(x, weight, eps, residual), residual
+
+    def rope_tables(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op reads the first half of each (duplicated) table row: [T, D / 2] fp32."""
+        half = cos.shape[1] // 2
+        return cos[positions, :half], sin[positions, :half]
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return attention_from_qkv(self.ops, qkv, cos, sin, num_heads, cache, meta, scale)  # [T, H, D]
+
+    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        return gate_up.packed.matmul_silu_and_mul(h, decode_rows)  # every linear is packed with the kernels
+
+
+Backend = TorchReference | CpuKernels
+
+
+def backend_for(ops: Ops | None) -> Backend:
+    return CpuKernels(ops) if ops is not None else TorchReference()

@@ -1,0 +1,59 @@
+"""The model's linear and embedding layers: they hold their weights dense (torch) or packed (a
+PackedWeight: fp32 / bf16 panels, GGML blocks) and do their own tensor-parallel communication, so a model
+file names its layers and never branches on the weight format or on parallelism."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...distributed import TPGroup
+from .weight_formats import GGMLWeight, PackedWeight
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear whose matmul runs on `packed` once the loader or the kernels set one (else F.linear on
+    `weight`). reduce: a row-parallel layer's group (its partial sums are all-reduced); gather: a
+    vocab-parallel output's group (the ranks' columns are all-gathered)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: PackedWeight | None = None
+        self.reduce: TPGroup | None = None
+        self.gather: TPGroup | None = None
+
+    def forward(self, x: torch.Tensor, decode_rows: int = -1) -> torch.Tensor:
+        """x: [T, in]; the leading decode_rows rows are decodes (a format may take another path for them).
+        Returns [T, out] (fp32 when packed, whatever the weights' format)."""
+        out = super().forward(x) if self.packed is None else self.packed.matmul(x, decode_rows)
+        if self.reduce is not None:
+            self.reduce.all_reduce(out)
+        if self.gather is not None:
+            out = self.gather.all_gather_last(out)
+        return out
+
+
+class VocabEmbedding(nn.Embedding):
+    """The token table, dense or `packed` (a GGML table looked up row by row); under tensor parallelism each
+    rank holds the rows of its `vocab_range` and the lookups are summed across ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        # _weight: no random init (the loader fills it; nn.init.normal_ under a meta device context goes
+        # through torch._refs, which imports torch._dynamo and triton: ~70 MiB of RSS and ~1 s of startup)
+        super().__init__(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+        self.packed: GGMLWeight | None = None
+        self.tp: TPGroup | None = None
+        self.vocab_range = (0, num_embeddings)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.packed.rows(ids) if self.packed is not None else super().forward(ids)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [T] -> [T, hidden]."""
+        if self.tp is None:
+            return self._rows(ids)
+        lo, hi = self.vocab_range
+        mine = (ids >= lo) & (ids < hi)
+        x = self._rows((ids - lo).clamp(0, hi - lo - 1)) * mine.unsqueeze(1)  # [T, hidden]: others' rows zero
+        self.tp.all_reduce(x)
+        return x
