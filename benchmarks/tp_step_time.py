@@ -51,7 +51,7 @@ if __name__ == "__main__":
         for batch in (1, 8):
             decode_steps(one, batch, 4), decode_steps(two, batch, 4)  # warm-up
             t1, o1 = decode_steps(one, batch)
-            tp = two.engine.tp.tp
+            tp = two.engine.executor.group
             r0, g0 = tp.bytes_all_reduced, tp.bytes_gathered
             t2, o2 = decode_steps(two, batch)
             tokens = batch * 33 + batch * 64  # every scheduled token went through every layer

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -14,9 +13,10 @@ from ..config import EngineConfig
 from ..core.block_manager import BlockManager
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
-from ..errors import ConfigError, InvalidRequestError
+from ..errors import InvalidRequestError
+from ..executor import executor_for
 from ..model_executor.model_loader import load_model
-from ..model_executor.model_runner import ModelRunner, StepResult
+from ..model_executor.model_runner import StepResult
 from ..outputs import Logprob, RequestOutput
 from ..platforms.allocator import keep_freed_memory
 from ..sample.sampler import Sampler, SampleResult
@@ -41,26 +41,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         t0 = time.monotonic()
-        self.tp = None
-        self._tp_gone: list[str] = []  # finished since the last step: the workers drop their tables
-        if config.tensor_parallel_size > 1:
-            if config.speculative_config is not None and config.speculative_config.method == "draft_model":
-                raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
-            from ..distributed import check_divisible
-            from ..executor.tp import TPDriver
-            from ..model_executor.model_loader import peek_config
-
-            # before any process starts
-            check_divisible(peek_config(config.model, config.model_registry), config.tensor_parallel_size)
-            self.tp = TPDriver(config)
-            weakref.finalize(self, self.tp.close)  # the workers stop with the engine, or at exit
-        try:
-            loaded = load_model(config.model, config.dtype, config.quantization, self.tp.tp if self.tp else None,
-                                config.model_registry)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.close()
-            raise
+        self.executor = executor_for(config)
+        loaded = self.executor.load_model()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -77,9 +59,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark)
-        self.runner = ModelRunner(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
-        if self.tp is not None:
-            self.tp.setup(num_blocks, bs, kv_dtype, cache_cls)
+        self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -242,16 +222,12 @@ class LLMEngine:
     def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> StepResult:
         """Run a scheduled step on every rank (tensor-parallel workers on their shards, with the tables of
         requests gone since the last step dropped); the driver's logits come back."""
-        if self.tp is not None:
-            gone, self._tp_gone = self._tp_gone, []
-            self.tp.step(sched, self.block_manager.tables, gone, all_logits)
-        return self.runner.execute(sched, self.block_manager.tables, all_logits=all_logits)
+        return self.executor.execute_model(sched, self.block_manager.tables, all_logits)
 
     def free_blocks(self, request_id: str) -> None:
         """Free the blocks of work run outside the scheduler (scoring a text), on every rank."""
         self.block_manager.free(request_id)
-        if self.tp is not None:
-            self._tp_gone.append(request_id)
+        self.executor.forget(request_id)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                 failed: dict[str, BaseException]) -> list[SampleResult | None]:
@@ -337,8 +313,7 @@ class LLMEngine:
             return
         self.scheduler.finish(seq, status)
         self.sampler.forget(seq.request_id)
-        if self.tp is not None:
-            self._tp_gone.append(seq.request_id)
+        self.executor.forget(seq.request_id)
         if self.proposer is not None:
             self.proposer.forget(seq.request_id)
 
@@ -354,8 +329,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them)."""
-        if self.tp is not None:
-            self.tp.close()
+        self.executor.shutdown()
 
     # ---- introspection -------------------------------------------------------------------
     def _view(self) -> EngineView:

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import TPGroup
+from ..distributed import TPGroup, check_divisible
 from ..errors import ConfigError, PagedLLMError
+from .base import Executor
 
 log = logging.getLogger("pagedllm")
 TIMEOUT = timedelta(seconds=60)  # a collective that waits longer than this fails (a worker is gone)
@@ -225,3 +227,44 @@ class TPDriver:
         if dist.is_initialized():
             dist.destroy_process_group()
 
+
+
+class TPExecutor(Executor):
+    """The driver (rank 0) and its workers: each step goes to the workers first, then runs here."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if config.speculative_config is not None and config.speculative_config.method == "draft_model":
+            raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
+        from ..model_executor.model_loader import peek_config
+
+        # before any process starts
+        check_divisible(peek_config(config.model, config.model_registry), config.tensor_parallel_size)
+        self.driver = TPDriver(config)
+        self.group = self.driver.tp
+        self._gone: list[str] = []  # freed since the last step: the workers drop their tables
+        weakref.finalize(self, self.driver.close)  # the workers stop with the engine, or at exit
+
+    def load_model(self) -> Any:
+        try:
+            return super().load_model()
+        except BaseException:
+            self.driver.close()
+            raise
+
+    def init_kv_cache(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                      cache_cls: type) -> Any:
+        runner = super().init_kv_cache(model, num_blocks, block_size, kv_dtype, cache_cls)
+        self.driver.setup(num_blocks, block_size, kv_dtype, cache_cls)
+        return runner
+
+    def execute_model(self, sched: Any, tables: dict[str, list[int]], all_logits: bool = False) -> Any:
+        gone, self._gone = self._gone, []
+        self.driver.step(sched, tables, gone, all_logits)
+        return super().execute_model(sched, tables, all_logits)
+
+    def forget(self, request_id: str) -> None:
+        self._gone.append(request_id)
+
+    def shutdown(self) -> None:
+        self.driver.close()

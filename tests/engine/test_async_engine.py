@@ -73,9 +73,10 @@ def test_a_drain_refuses_new_requests_and_aborts_running_ones_after_its_timeout(
 
     async def main() -> None:
         eng = await started(llama_dir)
-        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        # 500 tokens of the tiny model take 0.3+ s at its fastest: far past the drain's timeout
+        params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
         (s,) = await eng.add([NewRequest("long", {"prompt_token_ids": [1, 2, 3]}, params)])
-        eng.drain(0.3)
+        eng.drain(0.05)
         assert not eng.ready
         with pytest.raises(ShuttingDownError):
             await eng.add([NewRequest("late", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=2))])

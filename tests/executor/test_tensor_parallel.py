@@ -97,7 +97,7 @@ def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):
     llm = LLM(tiny_models["llama"][0], tensor_parallel_size=2, **OPTIONS)
     try:
         llm.generate(_prompts(2)[:2], SamplingParams(max_tokens=4))
-        (worker,) = llm.engine.tp.procs
+        (worker,) = llm.engine.executor.driver.procs
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
         t0 = time.monotonic()
@@ -106,14 +106,14 @@ def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):
         print(f"detected in {time.monotonic() - t0:.3f} s")
     finally:
         llm.shutdown()
-    assert llm.engine.tp.closed
+    assert llm.engine.executor.driver.closed
 
 
 def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):
     from pathlib import Path
 
     import httpx
-    from test_server import Server
+    from helpers import Server
 
     srv = Server(tiny_models["llama"][0], "--tensor-parallel-size", "2", "--dtype", "float32")
     try:

@@ -262,7 +262,7 @@ def test_draft_model_with_a_grammar_and_a_foreign_vocabulary(chat_model_dir):
 @pytest.mark.slow
 def test_server_flag_and_prometheus_counters(chat_model_dir):
     import httpx
-    from test_server import Server
+    from helpers import Server
 
     srv = Server(chat_model_dir, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
                  '"prompt_lookup_min": 1}')

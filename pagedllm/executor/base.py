@@ -1,0 +1,48 @@
+"""Executors: what runs a scheduled step on the model, wherever its ranks are. The engine loads through
+one, sizes the KV pool, then hands it each step and each finished request; it never talks to workers.
+
+`Executor` runs everything in this process; `TPExecutor` (tp.py) adds the tensor-parallel workers, which
+load their shards, mirror the block tables and run every step beside the driver."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..config import EngineConfig
+from ..core.scheduler import SchedulerOutput
+from ..distributed import TPGroup
+from ..model_executor.model_loader import LoadedModel, load_model
+from ..model_executor.model_runner import ModelRunner, StepResult
+
+
+class Executor:
+    """One process: the model runner and nothing else."""
+
+    group: TPGroup | None = None  # this process's tensor-parallel group (None: the whole model here)
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner: ModelRunner | None = None
+
+    def load_model(self) -> LoadedModel:
+        c = self.config
+        return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry)
+
+    def init_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                      cache_cls: type) -> ModelRunner:
+        """The KV pool (every rank's share of it) and the runner over it."""
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls)
+        return self.runner
+
+    def execute_model(self, sched: SchedulerOutput, tables: Mapping[str, list[int]],
+                      all_logits: bool = False) -> StepResult:
+        return self.runner.execute(sched, tables, all_logits=all_logits)
+
+    def forget(self, request_id: str) -> None:
+        """A request's blocks were freed: ranks that mirror block tables drop its table."""
+
+    def shutdown(self) -> None:
+        """Stop whatever the executor started."""
+
