@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..distributed import TPGroup, check_divisible
 from ..errors import ConfigError, PagedLLMError
+from ..model_executor.model_runner import Batch, BatchItem, batch_of
 from .base import Executor
 
 log = logging.getLogger("pagedllm")
@@ -43,39 +44,14 @@ class WorkerDiedError(PagedLLMError):
 # ---- the step message ------------------------------------------------------------------------
 @dataclass
 class StepPlan:
-    """One step for the workers: per scheduled request (id, start, new tokens, num_spec, completes, prompt
-    length), block-table tails from their first changed entry, copies, and finished requests."""
+    """One step for the workers: the batch's items (what the runner reads of each scheduled request),
+    block-table tails from their first changed entry, copies, and finished requests."""
 
-    work: list[tuple[str, int, list[int], int, bool, int]] = field(default_factory=list)
+    work: list[BatchItem] = field(default_factory=list)
     tables: list[tuple[str, int, list[int]]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
     all_logits: bool = False
-
-
-@dataclass(eq=False)
-class _WorkView:
-    """What ModelRunner.execute reads of a request, rebuilt on a worker from a StepPlan entry."""
-
-    request_id: str
-    num_computed_tokens: int
-    tokens: list[int]
-    num_tokens: int
-    num_prompt_tokens: int  # the runner tells prompt rows from decodes by it, as the driver's does
-
-    def tokens_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start - self.num_computed_tokens:end - self.num_computed_tokens]
-
-
-def plan_to_sched(plan: StepPlan) -> Any:
-    from ..core.scheduler import ScheduledRequest, SchedulerOutput
-
-    scheduled = []
-    for rid, start, toks, num_spec, completes, prompt_len in plan.work:
-        n = len(toks)
-        total = start + n - num_spec if completes else start + n + 1  # reproduces ScheduledRequest.completes
-        scheduled.append(ScheduledRequest(_WorkView(rid, start, toks, total, prompt_len), n, num_spec))
-    return SchedulerOutput(scheduled, list(plan.copies))
 
 
 def apply_tables(tables: dict[str, list[int]], plan: StepPlan) -> None:
@@ -127,7 +103,7 @@ def run_worker(rank: int, world: int, init_method: str, config: Any, started: An
             if plan is None:
                 break
             apply_tables(tables, plan)
-            runner.execute(plan_to_sched(plan), tables, all_logits=plan.all_logits)
+            runner.execute_batch(Batch(plan.work, plan.copies), tables, all_logits=plan.all_logits)
     finally:
         dist.destroy_process_group()
 
@@ -195,19 +171,17 @@ class TPDriver:
             raise WorkerDiedError(f"a tensor-parallel worker stopped answering: {e}") from e
 
     def step(self, sched: Any, tables: dict[str, list[int]], gone: list[str], all_logits: bool = False) -> None:
-        plan = StepPlan(copies=list(sched.copies), gone=gone, all_logits=all_logits)
+        batch = batch_of(sched)
+        plan = StepPlan(work=batch.items, copies=batch.copies, gone=gone, all_logits=all_logits)
         for rid in gone:
             self._sent.pop(rid, None)
-        for s in sched.scheduled:
-            r = s.request
-            start = r.num_computed_tokens
-            plan.work.append((r.request_id, start, r.tokens_slice(start, start + s.num_new_tokens), s.num_spec,
-                              s.completes, r.num_prompt_tokens))
-            table, known = tables[r.request_id], self._sent.get(r.request_id, [])
+        for item in batch.items:
+            rid = item.request_id
+            table, known = tables[rid], self._sent.get(rid, [])
             at = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), min(len(table), len(known)))
             if at < len(table) or len(known) != len(table):
-                plan.tables.append((r.request_id, at, table[at:]))
-                self._sent[r.request_id] = list(table)
+                plan.tables.append((rid, at, table[at:]))
+                self._sent[rid] = list(table)
         self._send(plan)
 
     def close(self) -> None:

@@ -13,40 +13,15 @@ distributions q for rejection sampling.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
 from ..core.request import Request
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..core.scheduler import SchedulerOutput
 from ..errors import ConfigError
 from ..model_executor.model_loader import LoadedModel
-from ..model_executor.model_runner import ModelRunner
+from ..model_executor.model_runner import Batch, BatchItem, ModelRunner
 from .ngram import SpeculativeConfig
-
-
-@dataclass(eq=False)
-class _View:
-    """A request as the draft sees it: `start` positions of draft KV done, `tokens` known to it."""
-
-    request: Request
-    tokens: list[int]
-    num_computed_tokens: int
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
-
-    def tokens_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
 
 
 class DraftModel:
@@ -77,12 +52,14 @@ class DraftModel:
             r = s.request
             # from where its draft KV ends (after a fully accepted proposal it lags the target by one)
             start = min(r.draft_computed, r.num_computed_tokens) if r.draft_computed else r.num_computed_tokens
-            mirror.append(ScheduledRequest(_View(r, r.all_token_ids, start), r.num_computed_tokens + s.num_new_tokens - start))
+            end = r.num_computed_tokens + s.num_new_tokens
+            mirror.append(BatchItem(r.request_id, start, r.all_token_ids[start:end], r.num_prompt_tokens,
+                                    completes=end == len(r.all_token_ids)))
         for src, dst in sched.copies:  # copy-on-write in the draft's pool too, before anything writes
             for c in self.runner.caches:
                 c.copy_block(src, dst)
         if mirror:
-            self.runner.execute(SchedulerOutput(mirror), tables, want_logits=False)
+            self.runner.execute_batch(Batch(mirror), tables, want_logits=False)
         for s in sched.scheduled:
             if not s.num_spec:
                 s.request.draft_computed = s.request.num_computed_tokens + s.num_new_tokens
@@ -100,14 +77,14 @@ class DraftModel:
         qs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in reqs}
         live = list(reqs)
         for i in range(max(k.values())):
-            views = []
+            items = []
             for r in live:
                 tokens = known[r.request_id] + drafts[r.request_id]
                 start = r.draft_computed if i == 0 else len(tokens) - 1  # catch up first, then one at a time
-                views.append(ScheduledRequest(_View(r, tokens, start), len(tokens) - start))
-            res = self.runner.execute(SchedulerOutput(views), tables)
-            for row, view in zip(res.logits, res.requests):
-                r = view.request
+                items.append(BatchItem(r.request_id, start, tokens[start:], r.num_prompt_tokens))
+            res = self.runner.execute_batch(Batch(items), tables)
+            for row, j in zip(res.logits, res.sampled):
+                r = live[j]
                 if r.grammar is not None:  # proposals the grammar would reject are never made
                     self.structured.apply_masks(row[None], [0], [r.grammar])
                 if r.params.greedy:

@@ -12,7 +12,7 @@ import pytest
 from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedllm.executor.tp import StepPlan, TPDriver, WorkerDiedError, apply_tables, plan_to_sched
+from pagedllm.executor.tp import StepPlan, TPDriver, WorkerDiedError, apply_tables
 
 pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
 
@@ -84,8 +84,8 @@ def test_plan_diffs_rebuild_the_drivers_tables():
     for plan in sent:
         apply_tables(worker, plan)
     assert worker == {"a": bm.table("a")} and sent[1].copies == copies
-    rebuilt = plan_to_sched(sent[1]).scheduled[0]
-    assert (rebuilt.request.tokens_slice(3, 4), rebuilt.completes) == ([9], True)
+    rebuilt = sent[1].work[0]  # what the worker's runner reads of the request
+    assert (rebuilt.token_ids, rebuilt.completes) == ([9], True)
 
 
 def test_divisibility_is_a_clear_startup_error(tiny_models):
