@@ -1,5 +1,5 @@
 """How far each engine's native execution of a GGUF is from the file's own fp32 reference, teacher-forced
-on tests/data/english.txt (llama.cpp's `llama-perplexity --kl-divergence` convention):
+on pagedllm/tools/data/english.txt (llama.cpp's `llama-perplexity --kl-divergence` convention):
   pagedllm native  vs pagedllm on the file dequantized to fp32 (quantization="none", dtype float32);
   llama.cpp native vs llama.cpp on the F32 copy of the file (bench/llamacpp.py's f32_gguf).
 Both: perplexity, mean KL(ref || native) per position, top-1 agreement; every run with an fp32 KV cache, so
@@ -55,7 +55,7 @@ def llamacpp_logits(model: str, ids: list[int], chunk: int) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default=str(default_model_path()))
-    ap.add_argument("--text", default="tests/data/english.txt")
+    ap.add_argument("--text", default="pagedllm/tools/data/english.txt")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tokens", type=int, default=None, help="only the text's first N tokens")
     ap.add_argument("--chunk", type=int, default=512, help="rows per forward pass, both engines")

@@ -71,7 +71,9 @@ def add_tiny_tokenizer(path, vocab_size: int = 320) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    text = (Path(__file__).parent / "data" / "english.txt").read_text()
+    from pagedllm.tools.evaluate import EVAL_TEXT
+
+    text = EVAL_TEXT.read_text()
     tok.train_from_iterator([text], trainer)
     assert tok.get_vocab_size() == vocab_size
     path = Path(path)

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: a dtype (the weights dequantized to it), native (a GGUF's own formats), "
                          "or a format to quantize to at load (q8_0, q4_0, q4_1, q5_0, q5_1)")
     ew.add_argument("--reference", default="float32", help="dtype of the reference (a GGUF dequantized to it)")
-    ew.add_argument("--text", default="tests/data/english.txt")
+    ew.add_argument("--text", default=None, help="a UTF-8 text (default: an English text that ships with pagedllm)")
     ew.add_argument("--kv-cache-dtype", default="float32", help="the same for every row, fp32 to isolate the weights")
     ew.add_argument("--kv-cache-memory", default="1GiB")
     ew.add_argument("--max-model-len", type=int, default=4096)
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval-kv", help="perplexity and greedy agreement of each KV cache dtype")
     ev.add_argument("--model", default=None)
     ev.add_argument("--dtype", default="float32", help="weights; fp32 isolates the KV dtype's effect")
-    ev.add_argument("--text", default="tests/data/english.txt", help="an English text (>= 2000 tokens)")
+    ev.add_argument("--text", default=None, help="a UTF-8 text of >= 2000 tokens (default: one that ships with pagedllm)")
     ev.add_argument("--kv-dtypes", default="float32,bfloat16,fp8_e4m3,fp8_e5m2")
     ev.add_argument("--kv-cache-memory", default="1GiB")
     ev.add_argument("--max-model-len", type=int, default=4096)

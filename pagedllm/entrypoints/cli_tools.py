@@ -77,10 +77,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Weight formats against an fp32 engine on the same weights, teacher-forced on one text."""
     import json
 
-    from ..tools.evaluate import compare_to_reference
+    from ..tools.evaluate import EVAL_TEXT, compare_to_reference, read_eval_text
     from .llm import LLM
 
-    text = open(args.text, encoding="utf-8").read()
+    text = read_eval_text(args.text)
     common = dict(model=args.model, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=args.max_model_len)
     ref = LLM(dtype=args.reference, quantization="none", **common)  # a GGUF dequantized: the same weights
@@ -95,7 +95,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         rows.append({"format": fmt, "weight_format": model.weight_format, **r,
                      "linear_weight_bytes": model.linear_weight_bytes()})
         del llm
-    print(f"reference: {args.reference} weights, {rows[0]['tokens'] if rows else 0} tokens of {args.text}, "
+    print(f"reference: {args.reference} weights, {rows[0]['tokens'] if rows else 0} tokens of {args.text or EVAL_TEXT.name}, "
           f"KV {args.kv_cache_dtype}; perplexity {rows[0]['perplexity_ref'] if rows else float('nan'):.4f}")
     print(f"{'format':10} {'stored as':>12} {'perplexity':>11} {'vs ref':>8} {'mean KL':>10} {'top-1 same':>11} "
           f"{'linear MiB':>11}")
@@ -113,10 +113,10 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
     import json
 
     from ..sampling_params import SamplingParams
-    from ..tools.evaluate import greedy_agreement, perplexity
+    from ..tools.evaluate import greedy_agreement, perplexity, read_eval_text
     from .llm import LLM
 
-    text = open(args.text, encoding="utf-8").read()
+    text = read_eval_text(args.text)
     rows, ref = [], None
     for dt in args.kv_dtypes.split(","):
         llm = LLM(model=args.model, kv_cache_dtype=dt, kv_cache_memory=args.kv_cache_memory,

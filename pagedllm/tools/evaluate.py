@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from ..core.request import Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..engine.llm_engine import LLMEngine
+from ..errors import ConfigError
 from ..sampling_params import SamplingParams
+
+EVAL_TEXT = Path(__file__).parent / "data" / "english.txt"  # the default text of `pagedllm eval` / `eval-kv`
+
+
+def read_eval_text(path: str | None) -> str:
+    try:
+        return Path(path or EVAL_TEXT).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the evaluation text {path!r}: {e}") from e
 
 
 def chunk_logits(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> Iterator[tuple[int, torch.Tensor]]:

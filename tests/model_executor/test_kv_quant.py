@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.kv_quant import dequantize, quantize
-from pagedllm.tools.evaluate import chunk_logits, greedy_agreement, perplexity
+from pagedllm.tools.evaluate import EVAL_TEXT, chunk_logits, greedy_agreement, perplexity
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float8_e4m3fn, 16 / 448), (torch.float8_e5m2, 4096 / 57344)])
@@ -59,7 +57,7 @@ def test_compact_kv_close_to_fp32(llama_dir, kv):
 
 @pytest.mark.slow
 def test_default_model_fp8_perplexity_within_2_percent():
-    text = open(Path(__file__).parents[1] / "data" / "english.txt", encoding="utf-8").read()
+    text = EVAL_TEXT.read_text(encoding="utf-8")
     ppl = {}
     for kv in ("float32", "fp8_e4m3"):
         llm = LLM(kv_cache_dtype=kv, kv_cache_memory="512MiB", max_model_len=4096)
