@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig, available_memory_bytes, parse_size
+from ..core.kv_spec import KVSpec, group_layers
 from ..errors import ConfigError
 from ..model_executor.kv_cache import KVCache
 from ..model_executor.models.config import ModelConfig
@@ -65,14 +66,15 @@ def check_fits_in_memory(num_blocks: int, bytes_per_block: int) -> None:
                           "kv_cache_memory / num_kv_blocks or use memory_utilization")
 
 
-def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype,
-                 draft: ModelConfig | None = None) -> KVPoolSize:
-    """draft: a draft model's config; its pool mirrors the target's block for block, so its bytes count per block."""
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype, specs: list[KVSpec],
+                 draft_specs: list[KVSpec] | None = None) -> KVPoolSize:
+    """specs: the model's layers as this rank holds them (each rank holds its heads' share of every block);
+    draft_specs: a draft model's, whose pool mirrors the target's block for block."""
     kv_dtype, cache_cls = kv_storage(config.kv_cache_dtype, model_dtype)
     bs = config.block_size
-    bytes_per_token = mc.num_layers * cache_cls.bytes_per_token(mc.num_kv_heads, mc.head_dim, kv_dtype)
-    if draft is not None:
-        bytes_per_token += draft.num_layers * cache_cls.bytes_per_token(draft.num_kv_heads, draft.head_dim, kv_dtype)
+    world = config.tensor_parallel_size
+    bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in specs)
+    bytes_per_token += sum(cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in draft_specs or [])
     bytes_per_block = bytes_per_token * bs
     num_blocks = num_blocks_for(config, bytes_per_block)
     check_fits_in_memory(num_blocks, bytes_per_block)
@@ -87,7 +89,8 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
                 f"max_model_len={max_len} request; raise kv_cache_memory/num_kv_blocks or lower max_model_len")
         max_len = num_blocks * bs
         log.warning("max_model_len capped to %d tokens: all the KV pool holds", max_len)
-    log.info("KV cache: %d bytes/token (%d layers x 2 x %d kv heads x %d dim x %s), %d blocks x %d tokens "
-             "= %d tokens in %.1f MiB", bytes_per_token, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+    layers = ", ".join(f"{len(ix)} {spec.kind}" for spec, ix in group_layers(specs).items())
+    log.info("KV cache: %d bytes/token (%d layers [%s] x 2 x %d kv heads x %d dim x %s), %d blocks x %d tokens "
+             "= %d tokens in %.1f MiB", bytes_per_token, mc.num_layers, layers, mc.num_kv_heads, mc.head_dim,
              config.kv_cache_dtype, num_blocks, bs, num_blocks * bs, num_blocks * bytes_per_block / 2**20)
     return KVPoolSize(num_blocks, bs, kv_dtype, cache_cls, bytes_per_token, bytes_per_block, max_len)

@@ -51,7 +51,8 @@ class LLMEngine:
         draft = None
         if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
             draft = load_model(self.spec.model, config.dtype, config.quantization, registry=config.model_registry)
-        size = size_kv_pool(config, mc, loaded.dtype, draft.config if draft is not None else None)
+        size = size_kv_pool(config, mc, loaded.dtype, loaded.model.kv_specs(),
+                            draft.model.kv_specs() if draft is not None else None)
         num_blocks, bs, kv_dtype, cache_cls = size.num_blocks, size.block_size, size.kv_dtype, size.cache_cls
         self.max_model_len = max_len = size.max_model_len
         self.kv_bytes_per_token, self.bytes_per_block = size.bytes_per_token, size.bytes_per_block

@@ -63,9 +63,8 @@ class ModelRunner:
         ops = model.ops  # the loader packed the weights for them (or left the model on torch)
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
         self.sliding_window = cfg.sliding_window
-        kv_heads = model.layers[0].num_kv_heads  # this rank's, under tensor parallelism
-        self.caches = [cache_factory(num_blocks, block_size, kv_heads, cfg.head_dim, kv_dtype, self.dtype)
-                       for _ in range(cfg.num_layers)]
+        self.caches = [cache_factory(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, self.dtype)
+                       for spec in model.kv_specs()]
         self.argmax = ops.argmax_rows if ops is not None else None
         op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
         self.op = ops.paged_attention if ops is not None and op_pool else None

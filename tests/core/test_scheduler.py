@@ -34,7 +34,7 @@ def step(s: Scheduler) -> dict[str, int]:
     return {x.request.request_id: x.num_new_tokens for x in out.scheduled}
 
 
-CONTROL_PLANE = ["core.scheduler", "core.block_manager", "core.request", "sampling_params", "limits", "outputs",
+CONTROL_PLANE = ["core.scheduler", "core.block_manager", "core.request", "core.kv_spec", "sampling_params", "limits", "outputs",
                  "tools.planner", "tools.simulate"]
 
 

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from ...core.kv_spec import KVSpec
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...platforms.cpu import Ops
@@ -151,6 +152,10 @@ class LlamaForCausalLM(nn.Module):
             layer.q_size, layer.kv_size = hq * d, hk * d
             for attr in row_parallel:  # the ranks' partial sums
                 getattr(layer, attr).reduce = tp
+
+    def kv_specs(self) -> list[KVSpec]:
+        """What each layer keeps per token in the KV pool (this rank's heads)."""
+        return [KVSpec(layer.num_kv_heads, layer.head_dim, self.cfg.sliding_window) for layer in self.layers]
 
     def _linears(self) -> list[nn.Linear]:
         per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
