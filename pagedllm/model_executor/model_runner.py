@@ -12,7 +12,6 @@ from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 from .attention import AttentionMetadata, ChunkRows, PagedRows, PrefillSeq, build_decode_mask, build_mask
 from .kv_cache import KVCache
-from .kv_quant import FP8KVCache
 
 PAGED_CHUNK_MAX = 16  # query rows of a mid-sequence chunk above which it goes to SDPA (measured: shared prefix)
 # over a bf16 pool, to the chunk kernel instead: 8 rows over 548 keys 82 vs 98 us a layer (4 rows: 77 vs 50)
@@ -60,19 +59,14 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
-        ops = model.ops  # the loader packed the weights for them (or left the model on torch)
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
         self.sliding_window = cfg.sliding_window
         self.caches = [cache_factory(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, self.dtype)
                        for spec in model.kv_specs()]
-        self.argmax = ops.argmax_rows if ops is not None else None
-        op_pool = kv_dtype in (torch.float32, torch.bfloat16) or cache_factory is FP8KVCache
-        self.op = ops.paged_attention if ops is not None and op_pool else None
-        # a bf16 pool's prefills go to the op's chunk kernel (bf16 dot products) instead of SDPA where its tiles
-        # fit (head dims of whole 8s, at most 48 query heads a KV head); whoever turns self.op off turns this off
-        layer = model.layers[0]
-        self.chunk_op = (self.op is not None and not self.caches[0].lossy and kv_dtype == torch.bfloat16
-                         and cfg.head_dim % 8 == 0 and layer.num_heads // layer.num_kv_heads <= 48)
+        layer, backend = model.layers[0], model.backend  # the backend chose the kernels once, at load
+        self.argmax = backend.argmax_rows
+        # whoever turns self.op off (the tests, to compare paths) turns chunk_op off with it
+        self.op, self.chunk_op = backend.paged_ops(self.caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if self.chunk_op else PAGED_CHUNK_MAX
 
     def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False,

@@ -6,6 +6,8 @@ the oracle the kernels are tested against). The model never branches on which on
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class TorchReference:
     name = "torch"
+    argmax_rows = None  # torch's argmax
+
+    def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
+        """(the op that attends the paged rows in place, whether prefills take the chunk kernel): neither here;
+        decodes and chunks gather their blocks for SDPA."""
+        return None, False
 
     def rms_norm(self, weight: torch.Tensor, eps: float, x: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +70,17 @@ class CpuKernels:
 
     def __init__(self, ops: Ops) -> None:
         self.ops = ops
+        self.argmax_rows = ops.argmax_rows  # torch's is single-threaded: ~2.7 ms on 64 x 49k
+
+    def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
+        """The op reads fp32, bf16 and fp8 pools in place; a bf16 pool's prefills go to its chunk kernel (bf16
+        dot products) where the tiles fit: head dims of whole 8s, at most 48 query heads a KV head."""
+        from ..kv_quant import FP8KVCache
+
+        if cache.k.dtype not in (torch.float32, torch.bfloat16) and not isinstance(cache, FP8KVCache):
+            return None, False
+        chunk = not cache.lossy and cache.k.dtype == torch.bfloat16 and head_dim % 8 == 0 and heads_per_kv <= 48
+        return self.ops.paged_attention, chunk
 
     def rms_norm(self, weight: torch.Tensor, eps: float, x: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ...distributed import TPGroup
-from .weight_formats import GGMLWeight, PackedWeight
+from ...platforms.cpu import Ops
+from .weight_formats import DensePanels, GGMLWeight, PackedWeight
 
 
 class PackedLinear(nn.Linear):
@@ -21,6 +22,32 @@ class PackedLinear(nn.Linear):
         self.packed: PackedWeight | None = None
         self.reduce: TPGroup | None = None
         self.gather: TPGroup | None = None
+
+    def set_packed(self, packed: PackedWeight, shared: bool = False) -> None:
+        """Weights that arrive packed (a GGUF's blocks, quantized at load); the dense copy goes unless it is
+        shared (a tied lm_head's weight is the embedding table)."""
+        self.packed = packed
+        if not shared:
+            self.weight = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
+
+    def pack(self, ops: Ops, weight_dtype: torch.dtype, shared: bool = False) -> None:
+        """After loading, for the C++ kernels: a dense weight becomes fp32 or bf16 column panels and its
+        [out, in] copy is dropped unless shared; weights already packed stay as they are."""
+        if self.packed is not None:
+            return
+        w = self.weight.data
+        self.packed = DensePanels(ops, w, self.bias.data if self.bias is not None else None, weight_dtype)
+        if not shared:
+            self.weight.data = w.new_empty(0)
+
+    def unpack(self, keep_dense: bool = False) -> None:
+        """Back to torch: the [out, in] weight rebuilt from the packed one (bit for bit for panels), unless
+        keep_dense (a shared dense weight is still there)."""
+        if self.packed is None:
+            return
+        if not keep_dense:
+            self.weight.data = self.packed.dequantize().to(self.weight.dtype)
+        self.packed = None
 
     def forward(self, x: torch.Tensor, decode_rows: int = -1) -> torch.Tensor:
         """x: [T, in]; the leading decode_rows rows are decodes (a format may take another path for them).
@@ -44,6 +71,12 @@ class VocabEmbedding(nn.Embedding):
         self.packed: GGMLWeight | None = None
         self.tp: TPGroup | None = None
         self.vocab_range = (0, num_embeddings)
+
+    def unpack(self) -> None:
+        """Back to a dense table (torch)."""
+        if self.packed is not None:
+            self.weight.data = self.packed.dequantize()
+            self.packed = None
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.packed.rows(ids) if self.packed is not None else super().forward(ids)

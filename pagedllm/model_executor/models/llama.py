@@ -20,7 +20,7 @@ from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.backends import Backend, TorchReference, backend_for
 from ..layers.linear import PackedLinear, VocabEmbedding
-from ..layers.weight_formats import DensePanels, GGMLWeight, PackedWeight
+from ..layers.weight_formats import GGMLWeight, PackedWeight
 from .config import ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames
 
@@ -200,25 +200,19 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend_for(ops)
         for layer in self.layers:
             layer.backend = self.backend
+        table = self.embed_tokens.weight
         for lin in self._linears():
-            if ops is not None and lin.packed is None:
-                w = lin.weight.data
-                lin.packed = DensePanels(ops, w, lin.bias.data if lin.bias is not None else None, weight_dtype)
-                if lin.weight is not self.embed_tokens.weight:
-                    lin.weight.data = w.new_empty(0)
-            elif ops is None and lin.packed is not None:
-                if lin.weight is not self.embed_tokens.weight or self.embed_packed is not None:
-                    lin.weight.data = lin.packed.dequantize().to(lin.weight.dtype)
-                lin.packed = None
-        if ops is None and self.embed_packed is not None:
-            self.embed_tokens.weight.data = self.embed_packed.dequantize()
-            self.embed_packed = None
+            tied = lin.weight is table  # a tied lm_head's dense weight is the table: never dropped
+            if ops is not None:
+                lin.pack(ops, weight_dtype, shared=tied)
+            else:
+                lin.unpack(keep_dense=tied and self.embed_packed is None)
+        if ops is None:
+            self.embed_tokens.unpack()
 
-    def set_packed(self, lin: nn.Linear, packed: PackedWeight) -> None:
-        """Give a linear its weights already packed (GGUF blocks, quantized at load); the dense copy goes."""
-        lin.packed = packed
-        if lin.weight is not self.embed_tokens.weight:
-            lin.weight = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
+    def set_packed(self, lin: PackedLinear, packed: PackedWeight) -> None:
+        """Give a linear its weights already packed (GGUF blocks, quantized at load)."""
+        lin.set_packed(packed, shared=lin.weight is self.embed_tokens.weight)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
