@@ -9,23 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .platforms.memory import host_available_memory
 
 
 def cache_dir() -> Path:
     """Where converted weights and compiled kernels live (PAGEDLLM_CACHE_DIR, else ~/.cache/pagedllm)."""
     return Path(os.environ.get("PAGEDLLM_CACHE_DIR", Path.home() / ".cache" / "pagedllm"))
-
-
-def available_memory_bytes() -> int:
-    """Memory the host can still give this process (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 _UNITS = {
@@ -107,9 +96,9 @@ class EngineConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
-            if self.kv_cache_memory > available_memory_bytes():  # before a model loads or a port is bound
+            if self.kv_cache_memory > host_available_memory():  # before a model loads or a port is bound
                 raise ConfigError(f"kv_cache_memory of {self.kv_cache_memory / 2**30:.2f} GiB is more than the "
-                                  f"{available_memory_bytes() / 2**30:.2f} GiB of memory available")
+                                  f"{host_available_memory() / 2**30:.2f} GiB of memory available")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.speculative_config is not None:

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import EngineConfig, available_memory_bytes, parse_size
+from ..config import EngineConfig, parse_size
 from ..core.kv_spec import KVSpec, group_layers
 from ..errors import ConfigError
 from ..model_executor.kv_cache import KVCache
 from ..model_executor.models.config import ModelConfig
+from ..platforms import current_platform
 
 log = logging.getLogger("pagedllm")
 
@@ -47,7 +48,7 @@ def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
     if config.kv_cache_memory is not None:
         budget = parse_size(config.kv_cache_memory)
     elif config.memory_utilization is not None:
-        budget = int(available_memory_bytes() * config.memory_utilization)
+        budget = int(current_platform().available_memory_bytes() * config.memory_utilization)
     else:
         budget = DEFAULT_KV_CACHE_MEMORY
     n = budget // bytes_per_block
@@ -59,7 +60,7 @@ def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
 def check_fits_in_memory(num_blocks: int, bytes_per_block: int) -> None:
     """A pool larger than the memory there is would be zero-filled until the OOM killer ends the
     process (a shared host's global OOM): refused here, with the figures."""
-    need, have = num_blocks * bytes_per_block, available_memory_bytes()
+    need, have = num_blocks * bytes_per_block, current_platform().available_memory_bytes()
     if need > have:
         raise ConfigError(f"the KV pool needs {need / 2**30:.2f} GiB ({num_blocks} blocks x {bytes_per_block} "
                           f"bytes) but only {have / 2**30:.2f} GiB of memory is available; lower "

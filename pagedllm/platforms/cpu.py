@@ -218,3 +218,22 @@ def auto_dtype() -> tuple[torch.dtype, str]:
     if ops.linear_bf16_isa == "avx512_bf16":
         return torch.bfloat16, "this CPU has AVX512-BF16 dot products"
     return torch.float32, f"no native bf16 dot products on this CPU (bf16 kernel path: {ops.linear_bf16_isa})"
+
+
+class CpuPlatform:
+    """This host's CPU: tensors in RAM, the KV budget from the memory the host has left, the C++ kernels
+    built for its instruction set (fp32 and bf16 models), and the dtype `auto` picks from it."""
+
+    name = "cpu"
+    device = "cpu"
+
+    def available_memory_bytes(self) -> int:
+        from .memory import host_available_memory
+
+        return host_available_memory()
+
+    def kernels(self, dtype: torch.dtype) -> Ops | None:
+        return load_ops() if dtype in (torch.float32, torch.bfloat16) else None
+
+    def auto_dtype(self) -> tuple[torch.dtype, str]:
+        return auto_dtype()

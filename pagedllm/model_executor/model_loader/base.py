@@ -12,7 +12,8 @@ from torch import nn
 
 from ...distributed import TPGroup, check_divisible
 from ...errors import ModelLoadError
-from ...platforms.cpu import Ops, auto_dtype, load_ops
+from ...platforms import current_platform
+from ...platforms.cpu import Ops
 from ...tokenizer import Tokenizer
 from ..layers.weight_formats import PackedWeight, quantize
 from ..models.config import ModelConfig, architecture_of
@@ -48,7 +49,8 @@ def build(cls: type, cfg: ModelConfig, has_bias: dict[str, bool], tp: TPGroup | 
 def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
-    picked, why = auto_dtype()  # the CPU decides, not the checkpoint: fp16 and bf16 without native dots are slow
+    # the platform decides, not the checkpoint: fp16 and bf16 without native dot products are slow
+    picked, why = current_platform().auto_dtype()
     stored = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     log.info("dtype auto: %s (%s; checkpoint stored as %s)", str(picked).removeprefix("torch."), why, stored)
     return picked
@@ -92,7 +94,7 @@ def set_packed(model: nn.Module, lin: nn.Linear, packed: PackedWeight, in_featur
 
 
 def kernels_for(tdtype: torch.dtype) -> Ops | None:
-    return load_ops() if tdtype in (torch.float32, torch.bfloat16) else None
+    return current_platform().kernels(tdtype)
 
 
 def use_kernels(model: nn.Module, ops: Ops | None, tdtype: torch.dtype) -> None:
