@@ -159,3 +159,80 @@ def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
             qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
             attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True)
         out[sl] = o[0].transpose(0, 1)
+
+
+PAGED_CHUNK_MAX = 16  # query rows of a mid-sequence chunk above which it goes to SDPA (measured: shared prefix)
+# over a bf16 pool, to the chunk kernel instead: 8 rows over 548 keys 82 vs 98 us a layer (4 rows: 77 vs 50)
+PAGED_CHUNK_MAX_BF16 = 8
+
+
+class MetadataBuilder:
+    """One step's attention metadata over the pool, for the ops a backend offers: op, the paged-row op (None:
+    torch gathers), chunk_op, whether prefills go to the chunk kernel. It also decides the order of the rows
+    (the op's rows first), which the runner follows."""
+
+    def __init__(self, block_size: int, sliding_window: int | None, op: Callable | None, chunk_op: bool) -> None:
+        self.block_size, self.sliding_window = block_size, sliding_window
+        self.op, self.chunk_op = op, chunk_op
+        self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if chunk_op else PAGED_CHUNK_MAX
+
+    def kind(self, num_new: int, start: int, num_prompt_tokens: int, num_spec: int) -> int:
+        """0 decodes, 1 short mid-sequence chunks (with 0: the op's rows, which must come first),
+        2 long mid-sequence chunks (the chunk kernel or gathered SDPA: matrix products beat the op's
+        row-at-a-time loop), 3 fresh prompts (the chunk kernel or SDPA over their own K/V).
+        A decode computes an output token; prompt rows left by a prefix hit are never decodes, even one
+        of them, and over a bf16 pool they take the chunk kernel as a whole prompt's rows do (only
+        speculative rows take the op), so a hit does not change how a prompt's last row is computed."""
+        if num_new == 1 and start >= num_prompt_tokens:
+            return 0
+        if start:
+            short = num_new < self.paged_chunk_max and (num_spec > 0 or not self.chunk_op)
+            return 1 if self.op is not None and short else 2
+        return 3
+
+    def begin(self) -> None:
+        self._dec_tables: list[list[int]] = []
+        self._dec_lens: list[int] = []
+        self._prefills: list[PrefillSeq] = []
+        self._paged_tables: list[list[int]] = []
+        self._paged_meta: list[tuple[int, int, int]] = []  # (q_start, q_len, ctx_len)
+        self._chunk_tables: list[list[int]] = []  # prefills for the chunk kernel (instead of `prefills`)
+        self._chunk_meta: list[tuple[int, int, int]] = []
+
+    def add(self, kind: int, q_start: int, n: int, ctx: int, table: list[int]) -> None:
+        """A sequence's n rows from q_start, ctx tokens of context after them, in the order of their kinds."""
+        nb = -(-ctx // self.block_size)
+        paged = kind < 2
+        if paged:
+            self._paged_tables.append(table[:nb])
+            self._paged_meta.append((q_start, n, ctx))
+        if kind == 0:
+            self._dec_tables.append(table[:nb])
+            self._dec_lens.append(ctx)
+        elif self.chunk_op and not paged:
+            self._chunk_tables.append(table[:nb])
+            self._chunk_meta.append((q_start, n, ctx))
+        elif not paged:
+            self._prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
+                                             build_mask(n, ctx, self.sliding_window)))
+
+    def build(self, slots: list[int]) -> AttentionMetadata:
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(self._dec_tables),
+                                 prefills=self._prefills, sliding_window=self.sliding_window, op=self.op)
+        if self.op is not None and self._paged_meta:
+            row_seq = [i for i, (_, n, _) in enumerate(self._paged_meta) for _ in range(n)]
+            meta.paged = PagedRows(len(row_seq), _padded(self._paged_tables), torch.tensor(row_seq),
+                                   *(torch.tensor(v) for v in zip(*self._paged_meta)))
+        elif self._dec_tables:
+            meta.decode_block_tables = _padded(self._dec_tables)
+            width = meta.decode_block_tables.shape[1] * self.block_size
+            meta.decode_mask = build_decode_mask(self._dec_lens, width, self.sliding_window)
+        if self._chunk_meta:
+            meta.chunks = ChunkRows(_padded(self._chunk_tables), *(torch.tensor(v) for v in zip(*self._chunk_meta)))
+        return meta
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [S, max_blocks] int64 tensor, rows padded with block 0 (never read: lengths bound it)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
