@@ -18,6 +18,7 @@ ARCHS = {
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48, head_dim=24)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
 }
 
 

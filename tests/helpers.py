@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: a `pagedllm serve` subprocess, HF's greedy continuation (the oracle)."""
+"""Helpers shared by the tests: a `pagedllm serve` subprocess, HF's greedy continuation (the oracle), an HF
+model's weights written as a GGUF under a model's declared names."""
 
 from __future__ import annotations
 
@@ -68,3 +69,56 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         return self.proc.wait()
+
+
+def renamed_weights(hf_sd: dict, names, fmt: str, layers: int) -> dict:
+    """HF Llama-family tensors (standard names) under another WeightNames' `fmt` ("hf" or "gguf") names."""
+    from pagedllm.model_executor.models.llama import LlamaForCausalLM
+
+    std = LlamaForCausalLM.WEIGHTS
+    out = {}
+
+    def put(a: str, b: str) -> None:
+        for suffix in (".weight", ".bias"):
+            if a + suffix in hf_sd:
+                out[b + suffix] = hf_sd[a + suffix]
+
+    put(std.embed.hf, getattr(names.embed, fmt))
+    put(std.norm.hf, getattr(names.norm, fmt))
+    put(std.lm_head.parts[0].hf, getattr(names.lm_head.parts[0], fmt))
+    layer = names.hf_layer if fmt == "hf" else names.gguf_layer
+    std_linears = {lin.attr: lin for lin in std.linears}
+    std_norms = {n.attr: n for n in std.norms}
+    for i in range(layers):
+        src, dst = std.hf_layer.format(i), layer.format(i)
+        for lin in names.linears:  # a layer the standard map does not have reads HF's tensor of its own name
+            parts = std_linears[lin.attr].parts if lin.attr in std_linears else lin.parts
+            for a, b in zip(parts, lin.parts):
+                put(src + a.hf, dst + getattr(b, fmt))
+        for norm in names.norms:
+            put(src + std_norms.get(norm.attr, norm).hf, dst + getattr(norm, fmt))
+    return out
+
+
+def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
+    """F32 tensors in HF's row order (no interleaved rope), the config as `{arch}.*` metadata, no tokenizer."""
+    from gguf import GGUFWriter
+
+    c = hf_model.config
+    w = GGUFWriter(str(path), arch)
+    for key, v in (("block_count", c.num_hidden_layers), ("embedding_length", c.hidden_size),
+                   ("feed_forward_length", c.intermediate_size), ("attention.head_count", c.num_attention_heads),
+                   ("attention.head_count_kv", c.num_key_value_heads), ("context_length", c.max_position_embeddings),
+                   ("vocab_size", c.vocab_size)):
+        w.add_uint32(f"{arch}.{key}", v)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_uint32(f"{arch}.attention.key_length", head_dim)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    w.add_float32(f"{arch}.rope.freq_base", (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
+    for name, t in renamed_weights(sd, names, "gguf", c.num_hidden_layers).items():
+        w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

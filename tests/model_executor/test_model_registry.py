@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from conftest import make_tiny_model
-from helpers import hf_greedy
+from helpers import hf_greedy, renamed_weights, write_gguf_from_hf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ModelLoadError
@@ -42,29 +41,6 @@ def registry():
     return default_registry().register("RenamedLlamaForCausalLM", RenamedLlama, gguf="renamed")
 
 
-def _renamed(hf_sd: dict[str, torch.Tensor], fmt: str, layers: int) -> dict[str, torch.Tensor]:
-    """HF Llama's tensors under RenamedLlama's names (fmt "hf" or "gguf")."""
-    std, new = LlamaForCausalLM.WEIGHTS, RenamedLlama.WEIGHTS
-    out = {}
-
-    def put(a: str, b: str) -> None:
-        for suffix in (".weight", ".bias"):
-            if a + suffix in hf_sd:
-                out[b + suffix] = hf_sd[a + suffix]
-
-    put(std.embed.hf, getattr(new.embed, fmt))
-    put(std.norm.hf, getattr(new.norm, fmt))
-    put(std.lm_head.parts[0].hf, getattr(new.lm_head.parts[0], fmt))
-    layer = new.hf_layer if fmt == "hf" else new.gguf_layer
-    for i in range(layers):
-        for s, n in zip(std.linears, new.linears):
-            for ps, pn in zip(s.parts, n.parts):
-                put(std.hf_layer.format(i) + ps.hf, layer.format(i) + getattr(pn, fmt))
-        for s, n in zip(std.norms, new.norms):
-            put(std.hf_layer.format(i) + s.hf, layer.format(i) + getattr(n, fmt))
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("std"))
@@ -78,32 +54,16 @@ def renamed_folder(hf_model, tmp_path_factory):
     cfg = hf_model.config.to_dict() | {"architectures": ["RenamedLlamaForCausalLM"]}
     (path / "config.json").write_text(json.dumps(cfg))
     sd = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    save_file(_renamed(sd, "hf", hf_model.config.num_hidden_layers), str(path / "model.safetensors"))
+    save_file(renamed_weights(sd, RenamedLlama.WEIGHTS, "hf", hf_model.config.num_hidden_layers),
+              str(path / "model.safetensors"))
     return path
 
 
 @pytest.fixture(scope="module")
 def renamed_gguf(hf_model, tmp_path_factory):
     """F32 tensors in HF's row order (this architecture declares no interleaved rope), token-id prompts."""
-    from gguf import GGUFWriter
-
-    c = hf_model.config
     path = tmp_path_factory.mktemp("gguf") / "renamed.gguf"
-    w = GGUFWriter(str(path), "renamed")
-    for key, v in (("block_count", c.num_hidden_layers), ("embedding_length", c.hidden_size),
-                   ("feed_forward_length", c.intermediate_size), ("attention.head_count", c.num_attention_heads),
-                   ("attention.head_count_kv", c.num_key_value_heads), ("context_length", c.max_position_embeddings),
-                   ("vocab_size", c.vocab_size)):
-        w.add_uint32(f"renamed.{key}", v)
-    w.add_float32("renamed.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    w.add_float32("renamed.rope.freq_base", c.rope_theta if hasattr(c, "rope_theta") else 10000.0)
-    sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
-    for name, t in _renamed(sd, "gguf", c.num_hidden_layers).items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_from_hf(hf_model, path, "renamed", RenamedLlama.WEIGHTS)
     return path
 
 
@@ -132,3 +92,19 @@ def test_a_registry_is_the_callers_not_global() -> None:
     assert mine.model_class("Qwen2ForCausalLM").__name__ == "Qwen2ForCausalLM"
     with pytest.raises(ModelLoadError, match="GGUF architecture 'gemma9' is not supported"):
         mine.from_gguf("gemma9")
+
+
+def test_qwen3_from_a_gguf_of_its_own_names_generates_what_hf_does(tiny_models, tmp_path) -> None:
+    """The built-in Qwen3 (q/k norms: attn_q_norm, attn_k_norm) read from a `qwen3` GGUF by the generic loader."""
+    from pagedllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    _, hf = tiny_models["qwen3"]
+    path = tmp_path / "qwen3.gguf"
+    write_gguf_from_hf(hf, path, "qwen3", Qwen3ForCausalLM.WEIGHTS)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert type(llm.engine.runner.model) is Qwen3ForCausalLM
+    prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 6 * i)] for i in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)

@@ -22,7 +22,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class TorchReference:
+class _QKNorm:
+    def qk_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """RMSNorm over each head of q and of k, in place in qkv [T, (H + 2 KVH) D] (Qwen3, Gemma 3: before rope)."""
+        t, hq, hk = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+        for lo, width, weight in ((0, hq, q_weight), (hq, hk, k_weight)):
+            rows = qkv[:, lo:lo + width].reshape(-1, head_dim)  # [T * heads, D], a copy: qkv rows are wider
+            qkv[:, lo:lo + width] = self.rms_norm(weight, eps, rows, None)[0].view(t, width)
+
+
+class TorchReference(_QKNorm):
     name = "torch"
     argmax_rows = None  # torch's argmax
 
@@ -65,7 +75,7 @@ class TorchReference:
         return F.silu(gate) * up
 
 
-class CpuKernels:
+class CpuKernels(_QKNorm):
     name = "cpu"
 
     def __init__(self, ops: Ops) -> None:

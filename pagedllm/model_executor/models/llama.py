@@ -73,6 +73,10 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.backend: Backend = TorchReference()
 
+    def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """q, k and v of the normalized input, before rope (a family that normalizes q and k does it here)."""
+        return self.qkv_proj(h, decode_rows)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream before it (None at layer 0); cos, sin: the
@@ -80,7 +84,7 @@ class DecoderLayer(nn.Module):
         t, be = x.shape[0], self.backend
         h, residual = self.input_layernorm(x, residual, be)
         nd = meta.num_decodes  # the leading rows are decodes: a weight format may choose its path by them
-        qkv = self.qkv_proj(h, nd)  # [T, q_size + 2 * kv_size]
+        qkv = self.project_qkv(h, nd)  # [T, q_size + 2 * kv_size]
         a = be.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
                          self.scale)  # [T, H, D]
         o = self.o_proj(a.view(t, self.q_size), nd)
@@ -90,6 +94,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls = DecoderLayer
     # llama.cpp's converter interleaves q/k rotary halves for its `llama` architecture only
     WEIGHTS = WeightNames(
         embed=Param("embed_tokens", "model.embed_tokens", "token_embd"),
@@ -116,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, biases) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, biases) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, False)
         if cfg.tie_word_embeddings:

@@ -30,6 +30,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "LlamaForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="llama"),
     "MistralForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="mistral"),
     "Qwen2ForCausalLM": ModelEntry("qwen2:Qwen2ForCausalLM", gguf="qwen2"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3:Qwen3ForCausalLM", gguf="qwen3"),
 }
 
 
