@@ -84,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
                     max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes,
                     trust_request_chat_template=args.trust_request_chat_template, body_timeout=args.body_timeout,
-                    address=address)
+                    address=address, reasoning_parser=args.reasoning_parser)
     # connections are capped below the descriptor limit, so accept() never fails for want of one
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 429")
     sv.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    sv.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                    help="return a thinking model's <think> part as message.reasoning_content (vLLM's flag)")
     sv.add_argument("--trust-request-chat-template", action="store_true",
                     help="allow chat_template in request bodies (a template is a program; off by default, as in vLLM)")
     sv.add_argument("--shutdown-timeout", type=float, default=5.0,

@@ -29,6 +29,7 @@ from .protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from .reasoning import PARSERS
 from .serving import APIError, Serving
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
@@ -57,8 +58,9 @@ class APIKeyMiddleware:
 def build_app(config: EngineConfig, served_model_name: str | None = None, api_key: str | None = None,
               max_queue_len: int = 1024, max_body_bytes: int = 8 * 2**20,
               trust_request_chat_template: bool = False, body_timeout: float = 30.0,
-              address: str | None = None) -> FastAPI:
-    """address: where the server listens, for the startup banner."""
+              address: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+    """address: where the server listens, for the startup banner. reasoning_parser: a name in
+    reasoning.PARSERS (qwen3, deepseek_r1): the model's thought goes to message.reasoning_content."""
     engine = AsyncEngine(config, max_queue_len=max_queue_len)
     log = logging.getLogger("pagedllm.server")
 
@@ -103,7 +105,8 @@ def build_app(config: EngineConfig, served_model_name: str | None = None, api_ke
 
     app.openapi = openapi
 
-    serving = Serving(engine, served_model_name, trust_request_chat_template)
+    serving = Serving(engine, served_model_name, trust_request_chat_template,
+                      PARSERS[reasoning_parser] if reasoning_parser else None)
     model_name, core, check_model = serving.model_name, serving.core, serving.check_model
 
     # ---- errors --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ...errors import InvalidRequestError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams, StructuredOutputsParams
 from .protocol import unsupported_field
+from .reasoning import ReasoningParser
 
 
 class APIError(Exception):
@@ -31,9 +32,10 @@ class Serving:
     """The state a handler needs: the async engine, the name it serves under, the server's trust settings."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, reasoning: ReasoningParser | None = None) -> None:
         self.engine, self.served_model_name = engine, served_model_name
         self.trust_request_chat_template = trust_request_chat_template
+        self.reasoning = reasoning  # splits a thinking model's thought from its answer (chat only)
 
     def model_name(self) -> str:
         return self.served_model_name or (self.engine.engine.model_name if self.engine.engine else "pagedllm")

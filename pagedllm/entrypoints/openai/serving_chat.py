@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from ...errors import InvalidRequestError
 from ...sample.structured_outputs import validate_json_schema
 from .protocol import CHAT_NOOPS, ChatCompletionRequest
+from .reasoning import ReasoningStream
 from .serving import APIError, Serving, json_off_loop, sampling, sse, stream_error, token_str, usage
 from .tool_calls import (
     ToolCallStream,
@@ -101,14 +102,18 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], s.model_name()
 
     def message(c) -> tuple[dict, str | None]:
+        text, head = c.text, {"role": "assistant"}
+        if s.reasoning is not None:  # the thought is never content, nor parsed for tool calls
+            reasoning, text = s.reasoning.split(c.text)
+            head["reasoning_content"] = reasoning or None
         if not tools:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        parsed = parse_tool_calls(c.text, fmt, final=True)
+            return head | {"content": text}, c.finish_reason
+        parsed = parse_tool_calls(text, fmt, final=True)
         calls = tool_calls_message(parsed)
         if not calls:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
+            return head | {"content": text}, c.finish_reason
         reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-        return {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}, reason
+        return head | {"content": parsed.content or None, "tool_calls": calls}, reason
 
     if not req.stream:
         (o,) = await s.final_outputs(streams, request)
@@ -133,6 +138,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
         sent_text = [0] * params.n
         sent_tok = [0] * params.n
         parsers = [ToolCallStream(fmt) for _ in range(params.n)] if tools else None
+        thoughts = [ReasoningStream(s.reasoning) for _ in range(params.n)] if s.reasoning is not None else None
         final = None
         try:
             async for _, o in s.merged(streams):
@@ -145,11 +151,15 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
                     sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
                     delta: dict = {}
                     reason = c.finish_reason
+                    text = c.text
+                    if thoughts is not None:
+                        thought, new_text, text = thoughts[c.index].update(c.text, final=reason is not None)
+                        delta = {"reasoning_content": thought} if thought else {}
                     if parsers is None:
-                        delta = {"content": new_text} if new_text else {}
+                        delta |= {"content": new_text} if new_text else {}
                     else:
-                        content, calls = parsers[c.index].update(c.text, final=c.finish_reason is not None)
-                        delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+                        content, calls = parsers[c.index].update(text, final=c.finish_reason is not None)
+                        delta |= {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
                         if reason == "stop" and parsers[c.index].num_calls:
                             reason = "tool_calls"
                         if not delta and not reason and lp is None:
