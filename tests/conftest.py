@@ -19,6 +19,7 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48, head_dim=24)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=40, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 

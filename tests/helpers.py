@@ -91,10 +91,11 @@ def renamed_weights(hf_sd: dict, names, fmt: str, layers: int) -> dict:
     std_norms = {n.attr: n for n in std.norms}
     for i in range(layers):
         src, dst = std.hf_layer.format(i), layer.format(i)
-        for lin in names.linears:  # a layer the standard map does not have reads HF's tensor of its own name
-            parts = std_linears[lin.attr].parts if lin.attr in std_linears else lin.parts
-            for a, b in zip(parts, lin.parts):
-                put(src + a.hf, dst + getattr(b, fmt))
+        for lin in names.linears:  # HF's tensor of the part's own name where it has one (Phi-3's qkv_proj)
+            std_parts = std_linears[lin.attr].parts if lin.attr in std_linears else lin.parts
+            for a, b in zip(std_parts, lin.parts):
+                own = src + b.hf + ".weight" in hf_sd
+                put(src + (b.hf if own else a.hf), dst + getattr(b, fmt))
         for norm in names.norms:
             put(src + std_norms.get(norm.attr, norm).hf, dst + getattr(norm, fmt))
     return out

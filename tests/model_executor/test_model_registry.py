@@ -108,3 +108,30 @@ def test_qwen3_from_a_gguf_of_its_own_names_generates_what_hf_does(tiny_models, 
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
+
+
+def test_phi3_stacked_tensors_from_a_gguf_generate_what_hf_does(tiny_models, tmp_path) -> None:
+    """Phi-3's fused attn_qkv and ffn_up (gate then up) read as stacked pieces by the generic GGUF loader."""
+    from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
+
+    _, hf = tiny_models["phi3"]
+    path = tmp_path / "phi3.gguf"
+    write_gguf_from_hf(hf, path, "phi3", Phi3ForCausalLM.WEIGHTS)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, max_model_len=1024)
+    prompts = [[(3 * i + 11 * j) % hf.config.vocab_size for j in range(6 + 5 * i)] for i in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
+
+
+def test_partial_rotary_is_refused_by_name(tmp_path) -> None:
+    import json
+
+    from pagedllm.model_executor.model_loader import peek_config
+
+    cfg = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "partial_rotary_factor": 0.75}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor=0.75"):
+        peek_config(tmp_path)

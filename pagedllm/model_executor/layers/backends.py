@@ -28,7 +28,7 @@ class _QKNorm:
         """RMSNorm over each head of q and of k, in place in qkv [T, (H + 2 KVH) D] (Qwen3, Gemma 3: before rope)."""
         t, hq, hk = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
         for lo, width, weight in ((0, hq, q_weight), (hq, hk, k_weight)):
-            rows = qkv[:, lo:lo + width].reshape(-1, head_dim)  # [T * heads, D], a copy: qkv rows are wider
+            rows = qkv[:, lo:lo + width].reshape(-1, head_dim).contiguous()  # [T * heads, D]: qkv rows are wider
             qkv[:, lo:lo + width] = self.rms_norm(weight, eps, rows, None)[0].view(t, width)
 
 

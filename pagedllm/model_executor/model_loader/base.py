@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,7 +19,7 @@ from ...tokenizer import Tokenizer
 from ..layers.weight_formats import PackedWeight, quantize
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
-from ..models.weight_names import Linear
+from ..models.weight_names import Linear, Part, piece_sizes
 
 log = logging.getLogger("pagedllm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,12 +57,27 @@ def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
     return picked
 
 
-def shard_span(spec: Linear, n_out: int, n_in: int, tp: TPGroup | None) -> tuple[tuple[int, int] | None,
-                                                                                 tuple[int, int] | None]:
-    """(rows, cols) of one part of `spec` this rank keeps: None = all of them."""
-    if tp is None:
-        return None, None
-    return (None, tp.span(n_in)) if spec.parallel == "row" else (tp.span(n_out), None)
+def shard_rows(spec: Linear | None, part: Part | None, n_rows: int, cfg: ModelConfig,
+               tp: TPGroup | None) -> np.ndarray | None:
+    """The rows of one checkpoint tensor this rank keeps, in order: each piece of a stacked tensor (Phi-3's
+    qkv_proj) cut on its own, a plain column-parallel tensor (or the vocabulary: spec None) by its span;
+    None: all of them (no tensor parallelism, or a row-parallel linear, which is cut by columns)."""
+    if tp is None or (spec is not None and spec.parallel == "row"):
+        return None
+    if part is None or not part.split:
+        return np.arange(*tp.span(n_rows))
+    pieces, lo = [], 0
+    for size in piece_sizes(part.split, cfg):
+        pieces.append(lo + np.arange(*tp.span(size)))
+        lo += size
+    if lo != n_rows:
+        raise ModelLoadError(f"{part.hf}: {n_rows} rows do not stack {part.split} of this config ({lo} rows)")
+    return np.concatenate(pieces)
+
+
+def shard_cols(spec: Linear, n_cols: int, tp: TPGroup | None) -> tuple[int, int] | None:
+    """The inputs a row-parallel linear keeps on this rank; None: all."""
+    return tp.span(n_cols) if tp is not None and spec.parallel == "row" else None
 
 
 def set_dense(lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None) -> None:

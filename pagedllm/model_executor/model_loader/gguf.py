@@ -23,7 +23,7 @@ from ...tokenizer import Tokenizer
 from ..layers.formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
 from ..layers.weight_formats import GGMLWeight
 from ..models.registry import ModelRegistry, default_registry
-from ..models.weight_names import Linear
+from ..models.weight_names import Linear, Part
 from .base import (
     LoadedModel,
     build,
@@ -35,6 +35,8 @@ from .base import (
     row_parallel_bias,
     set_dense,
     set_packed,
+    shard_cols,
+    shard_rows,
     use_kernels,
 )
 
@@ -204,27 +206,25 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     interleaved = f.meta["general.architecture"] in wn.gguf_interleaved_rope
     dequantized: dict[str, int] = {}
 
-    def rows_of(spec: Linear | None, rope_heads: str | None, name: str) -> np.ndarray | None:
+    def rows_of(spec: Linear | None, part: Part | None, name: str) -> np.ndarray | None:
         """The rows to read, in HF's order: q/k rows un-interleaved, a column-parallel shard cut (this
         rank's heads / MLP rows / vocabulary); None = all, in the file's order."""
         n = int(f.by_name[name].shape[1])
-        order = unpermute_rows(n, getattr(cfg, rope_heads)) if interleaved and rope_heads else None
-        if tp is None or (spec is not None and spec.parallel == "row"):
+        order = unpermute_rows(n, getattr(cfg, part.rope_heads)) if interleaved and part and part.rope_heads else None
+        keep = shard_rows(spec, part, n, cfg, tp)
+        if keep is None:
             return order
-        order = np.arange(n) if order is None else order
-        return order[slice(*tp.span(n))]
+        return keep if order is None else order[keep]
 
     def cols_of(spec: Linear, name: str) -> tuple[int, int] | None:
-        if tp is None or spec.parallel != "row":
-            return None
-        return tp.span(int(f.by_name[name].shape[0]))
+        return shard_cols(spec, int(f.by_name[name].shape[0]), tp)
 
     def linear(lin: nn.Linear, spec: Linear, prefix: str) -> None:
         """The parts stacked along the outputs, e.g. q, k, v."""
         parts = [(p, f"{prefix}{p.gguf}.weight") for p in spec.parts]
         bias = None
         if lin.bias is not None:
-            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", rows_of(spec, p.rope_heads, name))
+            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", rows_of(spec, p, name))
                               for p, name in parts])
         bias = row_parallel_bias(bias, spec, tp)
         cols = [cols_of(spec, name) for _, name in parts]
@@ -232,7 +232,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         fmts = [f.fmt(name) for _, name in parts]
         if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and in_features % m.block_weights == 0
                           for m in fmts):
-            blocks = [(f.blocks(name, rows_of(spec, p.rope_heads, name), c), m)
+            blocks = [(f.blocks(name, rows_of(spec, p, name), c), m)
                       for (p, name), m, c in zip(parts, fmts, cols)]
             weight = GGMLWeight(ops, blocks, in_features, bias)
             for (_, name), repacked in zip(parts, weight.repacked):
@@ -244,7 +244,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
                 key = f.by_name[name].tensor_type.name
                 dequantized[key] = dequantized.get(key, 0) + 1
-        w = torch.cat([f.dense(name, rows_of(spec, p.rope_heads, name), c) for (p, name), c in zip(parts, cols)])
+        w = torch.cat([f.dense(name, rows_of(spec, p, name), c) for (p, name), c in zip(parts, cols)])
         set_dense(lin, w, bias)
         if quantization not in (None, "none"):
             quantize_linear(model, ops, lin, w, bias, quantization)

@@ -22,7 +22,8 @@ from .base import (
     resolve_dtype,
     row_parallel_bias,
     set_dense,
-    shard_span,
+    shard_cols,
+    shard_rows,
     use_kernels,
 )
 
@@ -59,11 +60,12 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         ws, bs = [], []
         for p in spec.parts:
             w = take(f"{prefix}{p.hf}.weight")
-            rows, cols = shard_span(spec, w.shape[0], w.shape[1], tp)
-            ws.append(w[slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None)])
+            rows, cols = shard_rows(spec, p, w.shape[0], cfg, tp), shard_cols(spec, w.shape[1], tp)
+            w = w if rows is None else w[torch.from_numpy(rows)]
+            ws.append(w if cols is None else w[:, cols[0]:cols[1]])
             if getattr(owner, spec.attr).bias is not None:
                 b = take(f"{prefix}{p.hf}.bias")
-                bs.append(b[slice(*rows)] if rows else b)
+                bs.append(b if rows is None else b[torch.from_numpy(rows)])
         bias = row_parallel_bias(torch.cat(bs).to(tdtype) if bs else None, spec, tp)
         set_dense(getattr(owner, spec.attr), torch.cat(ws).to(tdtype), bias)
 

@@ -31,6 +31,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="mistral"),
     "Qwen2ForCausalLM": ModelEntry("qwen2:Qwen2ForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3:Qwen3ForCausalLM", gguf="qwen3"),
+    "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3"),
 }
 
 

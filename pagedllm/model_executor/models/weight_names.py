@@ -8,7 +8,7 @@ concatenating along the outputs. Names carry no ".weight" / ".bias" suffix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,15 @@ class Part:
     # the ModelConfig field counting this tensor's rope heads, where llama.cpp's converter interleaved the
     # rotary halves of its rows (the loader restores HF's order; rows are whole blocks, so no bytes change)
     rope_heads: str | None = None
+    # a checkpoint tensor that stacks several outputs (Phi-3's qkv_proj: "q", "kv", "kv"; gate_up_proj: "ffn",
+    # "ffn"): tensor parallelism cuts each piece on its own
+    split: tuple[str, ...] = ()
+
+
+def piece_sizes(split: tuple[str, ...], cfg: Any) -> list[int]:
+    """Rows of each piece of a stacked tensor, from the model's config."""
+    sizes = {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim, "ffn": cfg.intermediate_size}
+    return [sizes[name] for name in split]
 
 
 @dataclass(frozen=True)
