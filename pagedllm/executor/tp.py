@@ -1,13 +1,12 @@
-"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): the workers' loop and the
-driver that feeds them one message per step.
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): the workers' loop, the driver that
+feeds them one message per step, and `TPExecutor`, the engine's executor over both.
 
-Sharding (cut by the weight loaders as they read): qkv and gate_up are column-parallel (each rank its
-heads / its slice of the MLP), o and down row-parallel with one all-reduce each; the embedding and
-lm_head are vocab-parallel (a masked lookup + all-reduce, logits all-gathered);
-each rank's KV pool holds its KV heads, with the same
-block ids everywhere. The scheduler and block manager stay single, in the driver (rank 0, the
-engine); each step it broadcasts the scheduled work as diffs: new tokens per request, the tail of
-each block table from its first changed entry, copies, and finished requests.
+Sharding (cut by the weight loaders as they read; reduced by the layers themselves): qkv and gate_up are
+column-parallel (each rank its heads / its slice of the MLP), o and down row-parallel with one all-reduce each;
+the embedding and lm_head are vocab-parallel (a masked lookup + all-reduce, logits all-gathered); each rank's KV
+pool holds its KV heads, with the same block ids everywhere. The scheduler and block manager stay single, in the
+driver (rank 0, the engine); each step it broadcasts the batch's items and, as diffs, the tail of each block table
+from its first changed entry, the copies, and the finished requests.
 
 Rendezvous: torch.distributed's. Started by the engine, the workers are spawned processes that
 join at tcp://127.0.0.1:<a free port>; under torchrun (MASTER_ADDR / MASTER_PORT / RANK /
