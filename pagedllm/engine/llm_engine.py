@@ -15,7 +15,6 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..errors import InvalidRequestError
 from ..executor import executor_for
-from ..model_executor.model_loader import load_model
 from ..model_executor.model_runner import StepResult
 from ..outputs import Logprob, RequestOutput
 from ..platforms.allocator import keep_freed_memory
@@ -50,7 +49,7 @@ class LLMEngine:
         self.spec: SpeculativeConfig | None = config.speculative_config
         draft = None
         if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
-            draft = load_model(self.spec.model, config.dtype, config.quantization, registry=config.model_registry)
+            draft = self.executor.load_draft_model(self.spec.model)
         size = size_kv_pool(config, mc, loaded.dtype, loaded.model.kv_specs(),
                             draft.model.kv_specs() if draft is not None else None)
         num_blocks, bs, kv_dtype, cache_cls = size.num_blocks, size.block_size, size.kv_dtype, size.cache_cls
@@ -78,8 +77,8 @@ class LLMEngine:
         if draft is not None:
             from ..spec_decode.draft_model import DraftModel
 
-            self.draft = DraftModel(self.spec, self.runner, draft, num_blocks, kv_dtype, cache_cls, self.sampler,
-                                    self.structured)
+            self.executor.init_draft_kv_cache(draft.model, num_blocks, bs, kv_dtype, cache_cls)
+            self.draft = DraftModel(self.spec, self.executor, draft, mc.vocab_size, self.sampler, self.structured)
             self.proposer = self.draft
         log.info("engine ready in %.1f s", time.monotonic() - t0)
 

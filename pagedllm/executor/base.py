@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..core.scheduler import SchedulerOutput
 from ..distributed import TPGroup
 from ..model_executor.model_loader import LoadedModel, load_model
-from ..model_executor.model_runner import ModelRunner, StepResult
+from ..model_executor.model_runner import Batch, ModelRunner, StepResult
 
 
 class Executor:
@@ -25,6 +25,7 @@ class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner: ModelRunner | None = None
+        self.draft_runner: ModelRunner | None = None  # speculative decoding's draft model, beside the target
 
     def load_model(self) -> LoadedModel:
         c = self.config
@@ -39,6 +40,18 @@ class Executor:
     def execute_model(self, sched: SchedulerOutput, tables: Mapping[str, list[int]],
                       all_logits: bool = False) -> StepResult:
         return self.runner.execute(sched, tables, all_logits=all_logits)
+
+    def load_draft_model(self, model: str) -> LoadedModel:
+        c = self.config
+        return load_model(model, c.dtype, c.quantization, None, c.model_registry)
+
+    def init_draft_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                            cache_cls: type) -> None:
+        """The draft's KV pool mirrors the target's block for block (the same tables address both)."""
+        self.draft_runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls)
+
+    def execute_draft(self, batch: Batch, tables: Mapping[str, list[int]], want_logits: bool = True) -> StepResult:
+        return self.draft_runner.execute_batch(batch, tables, want_logits=want_logits)
 
     def forget(self, request_id: str) -> None:
         """A request's blocks were freed: ranks that mirror block tables drop its table."""

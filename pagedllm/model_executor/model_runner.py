@@ -95,6 +95,8 @@ class ModelRunner:
         for src, dst in batch.copies:  # copy-on-write before anything writes
             for c in self.caches:
                 c.copy_block(src, dst)
+        if not batch.items:  # copies only (a draft pool following the target's copy-on-write)
+            return StepResult(torch.zeros(0, self.model.cfg.vocab_size), [], [])
         bs, attn = self.block_size, self.attn
         kinds = [attn.kind(len(s.token_ids), s.start, s.num_prompt_tokens, s.num_spec) for s in batch.items]
         order = sorted(range(len(batch.items)), key=lambda i: kinds[i])

@@ -19,19 +19,21 @@ import torch
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 from ..errors import ConfigError
+from ..executor.base import Executor
 from ..model_executor.model_loader import LoadedModel
-from ..model_executor.model_runner import Batch, BatchItem, ModelRunner
+from ..model_executor.model_runner import Batch, BatchItem
 from .ngram import SpeculativeConfig
 
 
 class DraftModel:
-    def __init__(self, config: SpeculativeConfig, target: ModelRunner, draft: LoadedModel, num_blocks: int,
-                 kv_dtype: torch.dtype, cache_cls: type, sampler, structured) -> None:
-        if draft.config.vocab_size != target.model.cfg.vocab_size:
+    def __init__(self, config: SpeculativeConfig, executor: Executor, draft: LoadedModel, target_vocab_size: int,
+                 sampler, structured) -> None:
+        """executor: runs the draft (its pool already made by init_draft_kv_cache) beside the target."""
+        if draft.config.vocab_size != target_vocab_size:
             raise ConfigError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                              f"({target.model.cfg.vocab_size}): a draft must share the tokenizer")
+                              f"({target_vocab_size}): a draft must share the tokenizer")
         self.config = config
-        self.runner = ModelRunner(draft.model, num_blocks, target.block_size, kv_dtype, cache_cls)
+        self.executor = executor
         self.sampler = sampler
         self.structured = structured
         self.probs: dict[str, torch.Tensor] = {}  # request id -> [k, V] draft distributions (sampled requests)
@@ -55,11 +57,8 @@ class DraftModel:
             end = r.num_computed_tokens + s.num_new_tokens
             mirror.append(BatchItem(r.request_id, start, r.all_token_ids[start:end], r.num_prompt_tokens,
                                     completes=end == len(r.all_token_ids)))
-        for src, dst in sched.copies:  # copy-on-write in the draft's pool too, before anything writes
-            for c in self.runner.caches:
-                c.copy_block(src, dst)
-        if mirror:
-            self.runner.execute_batch(Batch(mirror), tables, want_logits=False)
+        if mirror or sched.copies:  # copy-on-write in the draft's pool too, before anything writes
+            self.executor.execute_draft(Batch(mirror, list(sched.copies)), tables, want_logits=False)
         for s in sched.scheduled:
             if not s.num_spec:
                 s.request.draft_computed = s.request.num_computed_tokens + s.num_new_tokens
@@ -82,7 +81,7 @@ class DraftModel:
                 tokens = known[r.request_id] + drafts[r.request_id]
                 start = r.draft_computed if i == 0 else len(tokens) - 1  # catch up first, then one at a time
                 items.append(BatchItem(r.request_id, start, tokens[start:], r.num_prompt_tokens))
-            res = self.runner.execute_batch(Batch(items), tables)
+            res = self.executor.execute_draft(Batch(items), tables)
             for row, j in zip(res.logits, res.sampled):
                 r = live[j]
                 if r.grammar is not None:  # proposals the grammar would reject are never made
