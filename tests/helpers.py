@@ -107,15 +107,16 @@ def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
 
     c = hf_model.config
     w = GGUFWriter(str(path), arch)
-    for key, v in (("block_count", c.num_hidden_layers), ("embedding_length", c.hidden_size),
-                   ("feed_forward_length", c.intermediate_size), ("attention.head_count", c.num_attention_heads),
-                   ("attention.head_count_kv", c.num_key_value_heads), ("context_length", c.max_position_embeddings),
-                   ("vocab_size", c.vocab_size)):
-        w.add_uint32(f"{arch}.{key}", v)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_uint32(f"{arch}.attention.key_length", head_dim)
-    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    w.add_float32(f"{arch}.rope.freq_base", (getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_vocab_size(c.vocab_size)
+    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
     sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     for name, t in renamed_weights(sd, names, "gguf", c.num_hidden_layers).items():
         w.add_tensor(name, t)

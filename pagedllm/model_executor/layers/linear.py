@@ -27,6 +27,7 @@ class PackedLinear(nn.Linear):
         """Weights that arrive packed (a GGUF's blocks, quantized at load); the dense copy goes unless it is
         shared (a tied lm_head's weight is the embedding table)."""
         self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features  # a shard's, under TP
         if not shared:
             self.weight = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
 

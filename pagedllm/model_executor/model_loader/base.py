@@ -16,7 +16,7 @@ from ...errors import ModelLoadError
 from ...platforms import current_platform
 from ...platforms.cpu import Ops
 from ...tokenizer import Tokenizer
-from ..layers.weight_formats import PackedWeight, quantize
+from ..layers.weight_formats import quantize
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Part, piece_sizes
@@ -102,11 +102,6 @@ def quantize_linear(model: nn.Module, ops: Ops, lin: nn.Linear, w: torch.Tensor,
     if lin is model.lm_head and quantization in ("q4_0", "q4_1", "q5_0", "q5_1"):
         quantization = "q8_0"
     model.set_packed(lin, quantize(ops, w, bias, quantization))
-
-
-def set_packed(model: nn.Module, lin: nn.Linear, packed: PackedWeight, in_features: int) -> None:
-    lin.in_features, lin.out_features = in_features, packed.out_features
-    model.set_packed(lin, packed)
 
 
 def kernels_for(tdtype: torch.dtype) -> Ops | None:

@@ -34,7 +34,6 @@ from .base import (
     resolve_dtype,
     row_parallel_bias,
     set_dense,
-    set_packed,
     shard_cols,
     shard_rows,
     use_kernels,
@@ -238,7 +237,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
             for (_, name), repacked in zip(parts, weight.repacked):
                 if repacked:
                     f.release(name)
-            set_packed(model, lin, weight, in_features)
+            model.set_packed(lin, weight)
             return
         for (_, name), m in zip(parts, fmts):
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
@@ -264,11 +263,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     else:
         embed.weight = nn.Parameter(f.dense(embed_name, rows_of(None, None, embed_name)), requires_grad=False)
     if cfg.tie_word_embeddings:
-        head.weight = embed.weight
-        head.out_features = model.embed_packed.out_features if model.embed_packed is not None else embed.weight.shape[0]
-        if model.embed_packed is not None:
-            head.packed = model.embed_packed
-        elif quantization not in (None, "none"):
+        model.tie_lm_head()
+        if model.embed_packed is None and quantization not in (None, "none"):
             quantize_linear(model, ops, head, embed.weight.data, None, quantization)
     else:
         linear(head, wn.lm_head, "")

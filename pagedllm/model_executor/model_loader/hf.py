@@ -78,8 +78,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     param(model, names.embed.attr, names.embed.hf + ".weight", vocab_rows=True)
     param(model, names.norm.attr, names.norm.hf + ".weight")
     if cfg.tie_word_embeddings:
-        head, table = getattr(model, names.lm_head.attr), getattr(model, names.embed.attr).weight
-        head.weight, head.out_features = table, table.shape[0]
+        model.tie_lm_head()
     else:
         linear(model, names.lm_head, "")
     for i, layer in enumerate(model.layers):

@@ -215,6 +215,15 @@ class LlamaForCausalLM(nn.Module):
         if ops is None:
             self.embed_tokens.unpack()
 
+    def tie_lm_head(self) -> None:
+        """The output projection reads the token table as it was loaded (dense or packed, a shard under TP)."""
+        table = self.embed_tokens
+        self.lm_head.weight = table.weight
+        if table.packed is not None:
+            self.lm_head.set_packed(table.packed, shared=True)
+        else:
+            self.lm_head.out_features = table.weight.shape[0]
+
     def set_packed(self, lin: PackedLinear, packed: PackedWeight) -> None:
         """Give a linear its weights already packed (GGUF blocks, quantized at load)."""
         lin.set_packed(packed, shared=lin.weight is self.embed_tokens.weight)
