@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,19 +32,19 @@ def gguf_to_hf_folder(path: Path) -> Path:
     f = GGUFTensors(path)  # the engine's own reader: dense fp32 in HF's shape, q/k rows unpermuted
     meta = f.meta
     cfg = gguf_hf_config(meta, set(f.by_name))
-    names = model_class(cfg, None).WEIGHTS.hf_names(meta["general.architecture"])
+    weights = model_class(cfg, None).WEIGHTS
+    names = weights.hf_names(meta["general.architecture"])
+    layer_re = re.compile(re.escape(weights.gguf_layer).replace(re.escape("{}"), r"(\d+)"))
     heads = {"num_heads": cfg["num_attention_heads"], "num_kv_heads": cfg["num_key_value_heads"]}
     sd: dict[str, torch.Tensor] = {}
     for name, t in f.by_name.items():
         stem, suffix = name.rsplit(".", 1)
-        layer = None
-        if stem.startswith("blk."):
-            _, layer, stem = stem.split(".", 2)
-            stem = "blk.{}." + stem
-        if stem not in names:
+        m = layer_re.match(stem)  # a layer's tensor: its template and index
+        key, layer = (weights.gguf_layer + stem[m.end():], m.group(1)) if m else (stem, None)
+        if key not in names:
             continue  # e.g. rope_freqs: llama3 factors are recomputed from the config
-        hf, rope_heads = names[stem]
-        hf = f"{hf.format(layer)}.{suffix}" if layer is not None else f"{hf}.{suffix}"
+        hf, rope_heads = names[key]
+        hf = f"{hf.format(layer)}.{suffix}"
         rows = int(t.shape[-1])  # gguf shapes are reversed: the last is HF's first (rows, or a bias' length)
         sd[hf] = f.dense(name, unpermute_rows(rows, heads[rope_heads]) if rope_heads is not None else None)
     out.parent.mkdir(parents=True, exist_ok=True)
