@@ -63,6 +63,10 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens]
     num_decodes: int  # the first num_decodes rows are single-token sequences
+    # the leading rows that compute output tokens of generating sequences: the decodes, then speculative rows
+    # (a weight format may run them on its decode path; prompt rows never take it, so a prompt's logits do not
+    # depend on how it was chunked or cached)
+    num_decode_rows: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] (torch path)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] (torch path)
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -177,9 +181,10 @@ class MetadataBuilder:
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if chunk_op else PAGED_CHUNK_MAX
 
     def kind(self, num_new: int, start: int, num_prompt_tokens: int, num_spec: int) -> int:
-        """0 decodes, 1 short mid-sequence chunks (with 0: the op's rows, which must come first),
-        2 long mid-sequence chunks (the chunk kernel or gathered SDPA: matrix products beat the op's
-        row-at-a-time loop), 3 fresh prompts (the chunk kernel or SDPA over their own K/V).
+        """0 decodes, 1 speculative rows and 2 short mid-sequence prompt chunks (with 0: the op's rows, which
+        must come first; decodes and speculative rows lead, as the rows that compute output tokens),
+        3 long mid-sequence chunks (the chunk kernel or gathered SDPA: matrix products beat the op's
+        row-at-a-time loop), 4 fresh prompts (the chunk kernel or SDPA over their own K/V).
         A decode computes an output token; prompt rows left by a prefix hit are never decodes, even one
         of them, and over a bf16 pool they take the chunk kernel as a whole prompt's rows do (only
         speculative rows take the op), so a hit does not change how a prompt's last row is computed."""
@@ -187,8 +192,10 @@ class MetadataBuilder:
             return 0
         if start:
             short = num_new < self.paged_chunk_max and (num_spec > 0 or not self.chunk_op)
-            return 1 if self.op is not None and short else 2
-        return 3
+            if self.op is not None and short:
+                return 1 if num_spec else 2
+            return 3
+        return 4
 
     def begin(self) -> None:
         self._dec_tables: list[list[int]] = []
@@ -198,11 +205,14 @@ class MetadataBuilder:
         self._paged_meta: list[tuple[int, int, int]] = []  # (q_start, q_len, ctx_len)
         self._chunk_tables: list[list[int]] = []  # prefills for the chunk kernel (instead of `prefills`)
         self._chunk_meta: list[tuple[int, int, int]] = []
+        self._decode_rows = 0
 
     def add(self, kind: int, q_start: int, n: int, ctx: int, table: list[int]) -> None:
         """A sequence's n rows from q_start, ctx tokens of context after them, in the order of their kinds."""
         nb = -(-ctx // self.block_size)
-        paged = kind < 2
+        paged = kind < 3
+        if kind < 2:
+            self._decode_rows += n
         if paged:
             self._paged_tables.append(table[:nb])
             self._paged_meta.append((q_start, n, ctx))
@@ -218,6 +228,7 @@ class MetadataBuilder:
 
     def build(self, slots: list[int]) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(self._dec_tables),
+                                 num_decode_rows=self._decode_rows,
                                  prefills=self._prefills, sliding_window=self.sliding_window, op=self.op)
         if self.op is not None and self._paged_meta:
             row_seq = [i for i, (_, n, _) in enumerate(self._paged_meta) for _ in range(n)]

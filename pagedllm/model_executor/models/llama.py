@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
         backend's rope tables. Returns (mlp output, residual)."""
         t, be = x.shape[0], self.backend
         h, residual = self.input_layernorm(x, residual, be)
-        nd = meta.num_decodes  # the leading rows are decodes: a weight format may choose its path by them
+        nd = meta.num_decode_rows  # the leading rows compute output tokens: a weight format may choose its path by them
         qkv = self.project_qkv(h, nd)  # [T, q_size + 2 * kv_size]
         a = be.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
                          self.scale)  # [T, H, D]
@@ -251,4 +251,4 @@ class LlamaForCausalLM(nn.Module):
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.backend)
         # the sampled rows keep the step's order: the decodes' rows first
-        return self.lm_head(x, meta.num_decodes).float()  # [R, vocab]
+        return self.lm_head(x, meta.num_decode_rows).float()  # [R, vocab]
