@@ -42,6 +42,7 @@ class TPGroup:
 
 def check_divisible(cfg: Any, world: int) -> None:
     for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size),
+                    ("moe_intermediate_size", getattr(cfg, "moe_intermediate_size", 0))):
         if n % world:
             raise ConfigError(f"tensor_parallel_size={world} does not divide the model's {name} ({n})")

@@ -20,6 +20,13 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48, head_dim=24)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=40, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # layer 1 keeps a dense MLP: both kinds of layer in one model
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, clip_qkv=2.5,
+                                                      eos_token_id=2, pad_token_id=1)),
 }
 
 

@@ -44,6 +44,10 @@ def gguf_to_hf_folder(path: Path) -> Path:
         if key not in names:
             continue  # e.g. rope_freqs: llama3 factors are recomputed from the config
         hf, rope_heads = names[key]
+        if "{e}" in hf:  # every expert's matrix in one 3-D tensor: [E, out, in]
+            for e, w in enumerate(f.dense(name)):
+                sd[f"{hf.format(layer, e=e)}.{suffix}"] = w.clone()
+            continue
         hf = f"{hf.format(layer)}.{suffix}"
         rows = int(t.shape[-1])  # gguf shapes are reversed: the last is HF's first (rows, or a bias' length)
         sd[hf] = f.dense(name, unpermute_rows(rows, heads[rope_heads]) if rope_heads is not None else None)

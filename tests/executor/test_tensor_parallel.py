@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pagedllm import LLM, ConfigError, SamplingParams
+from pagedllm import LLM, ConfigError, ModelLoadError, SamplingParams
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.executor.tp import StepPlan, TPDriver, WorkerDiedError, apply_tables
@@ -33,7 +33,7 @@ def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in first + rest]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "mixtral", "qwen3-moe"])
 def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):
     path = tiny_models[arch][0]
     base = LLM(path, **OPTIONS)
@@ -91,6 +91,11 @@ def test_plan_diffs_rebuild_the_drivers_tables():
 def test_divisibility_is_a_clear_startup_error(tiny_models):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads"):
         LLM(tiny_models["llama"][0], tensor_parallel_size=3)
+
+
+def test_a_model_without_tensor_parallelism_says_so_at_startup(tiny_models):
+    with pytest.raises(ModelLoadError, match="OlmoeForCausalLM does not run under tensor parallelism"):
+        LLM(tiny_models["olmoe"][0], tensor_parallel_size=2)
 
 
 def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):

@@ -14,7 +14,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.engine.llm_engine import LLMEngine
 
-ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3"]
+ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3", "mixtral", "qwen3-moe", "olmoe"]
 PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]
 
 
@@ -96,6 +96,24 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
         assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]
     stats = llm.stats()
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_through_preemption_prefix_hits_and_n2(tiny_models, arch):
+    """A pool too small for the batch (preemption, recompute), a shared prefix (cache hits), small chunks and
+    two samples a prompt: every greedy continuation is still HF's."""
+    path, model = tiny_models[arch]
+    rng = random.Random(3)
+    shared = [rng.randrange(model.config.vocab_size) for _ in range(12)]
+    prompts = [shared + [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(6)]
+    refs = [hf_greedy(model, p, 20) for p in prompts]
+    llm = LLM(model=path, dtype="float32", block_size=4, num_kv_blocks=48, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
+    first = llm.generate({"prompt_token_ids": prompts[0]}, params)  # computed first: the others hit its prefix
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+    assert [[c.token_ids for c in o.outputs] for o in first + rest] == [[r, r] for r in refs]
+    st = llm.stats()
+    assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
 
 
 def test_packed_weights_keep_the_model_shape_accounting(tiny_models):

@@ -22,6 +22,7 @@ class PackedLinear(nn.Linear):
         self.packed: PackedWeight | None = None
         self.reduce: TPGroup | None = None
         self.gather: TPGroup | None = None
+        self.quantizable = True  # whether `quantization=` at load may requantize it (a router stays as it is)
 
     def set_packed(self, packed: PackedWeight, shared: bool = False) -> None:
         """Weights that arrive packed (a GGUF's blocks, quantized at load); the dense copy goes unless it is

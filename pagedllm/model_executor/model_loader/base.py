@@ -19,7 +19,7 @@ from ...tokenizer import Tokenizer
 from ..layers.weight_formats import quantize
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
-from ..models.weight_names import Linear, Part, piece_sizes
+from ..models.weight_names import Linear, Part, WeightNames, has_module, piece_sizes
 
 log = logging.getLogger("pagedllm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +42,8 @@ def model_class(raw: dict, registry: ModelRegistry | None) -> type:
 def build(cls: type, cfg: ModelConfig, has_bias: dict[str, bool], tp: TPGroup | None) -> nn.Module:
     """The model on the meta device: every parameter is assigned by the loader, none initialized."""
     if tp is not None:
+        if not getattr(cls, "supports_tensor_parallel", True):
+            raise ModelLoadError(f"{cfg.architecture} does not run under tensor parallelism yet")
         check_divisible(cfg, tp.world)
     with torch.device("meta"):
         return cls(cfg, frozenset(attr for attr, yes in has_bias.items() if yes))
@@ -62,7 +64,7 @@ def shard_rows(spec: Linear | None, part: Part | None, n_rows: int, cfg: ModelCo
     """The rows of one checkpoint tensor this rank keeps, in order: each piece of a stacked tensor (Phi-3's
     qkv_proj) cut on its own, a plain column-parallel tensor (or the vocabulary: spec None) by its span;
     None: all of them (no tensor parallelism, or a row-parallel linear, which is cut by columns)."""
-    if tp is None or (spec is not None and spec.parallel == "row"):
+    if tp is None or (spec is not None and spec.parallel in ("row", "replicated")):
         return None
     if part is None or not part.split:
         return np.arange(*tp.span(n_rows))
@@ -78,6 +80,16 @@ def shard_rows(spec: Linear | None, part: Part | None, n_rows: int, cfg: ModelCo
 def shard_cols(spec: Linear, n_cols: int, tp: TPGroup | None) -> tuple[int, int] | None:
     """The inputs a row-parallel linear keeps on this rank; None: all."""
     return tp.span(n_cols) if tp is not None and spec.parallel == "row" else None
+
+
+def layer_linears(names: WeightNames, layer: nn.Module) -> list[Linear]:
+    """The linears this layer has: the map's (a MoE layer has a router, not a dense MLP; a dense layer of a
+    MoE model the other way round), then each expert's with its index filled in."""
+    specs = [spec for spec in names.linears if has_module(layer, spec.attr)]
+    experts = getattr(layer, "mlp", None)
+    if experts is not None:
+        specs += [spec for e in range(experts.num_experts) for spec in names.expert_linears(e)]
+    return specs
 
 
 def set_dense(lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -17,6 +17,7 @@ from .base import (
     build,
     check_complete,
     kernels_for,
+    layer_linears,
     model_class,
     quantize_linear,
     resolve_dtype,
@@ -49,8 +50,8 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
             raise ModelLoadError(f"weight {name!r} missing from the checkpoint")
         return sd[name]
 
-    layer0 = names.hf_layer.format(0)
-    model = build(cls, cfg, {lin.attr: f"{layer0}{lin.parts[0].hf}.bias" in sd for lin in names.linears}, tp)
+    model = build(cls, cfg, {lin.attr: any(f"{names.hf_layer.format(i)}{lin.parts[0].hf}.bias" in sd
+                                           for i in range(cfg.num_layers)) for lin in names.linears}, tp)
     lm_head_name = names.lm_head.parts[0].hf + ".weight"
     if lm_head_name not in sd:
         cfg.tie_word_embeddings = True
@@ -63,17 +64,17 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
             rows, cols = shard_rows(spec, p, w.shape[0], cfg, tp), shard_cols(spec, w.shape[1], tp)
             w = w if rows is None else w[torch.from_numpy(rows)]
             ws.append(w if cols is None else w[:, cols[0]:cols[1]])
-            if getattr(owner, spec.attr).bias is not None:
+            if owner.get_submodule(spec.attr).bias is not None:
                 b = take(f"{prefix}{p.hf}.bias")
                 bs.append(b if rows is None else b[torch.from_numpy(rows)])
         bias = row_parallel_bias(torch.cat(bs).to(tdtype) if bs else None, spec, tp)
-        set_dense(getattr(owner, spec.attr), torch.cat(ws).to(tdtype), bias)
+        set_dense(owner.get_submodule(spec.attr), torch.cat(ws).to(tdtype), bias)
 
     def param(owner: torch.nn.Module, attr: str, name: str, vocab_rows: bool = False) -> None:
         w = take(name)
         if vocab_rows and tp is not None:
             w = w[slice(*tp.span(w.shape[0]))]
-        getattr(owner, attr).weight = torch.nn.Parameter(w.to(tdtype), requires_grad=False)
+        owner.get_submodule(attr).weight = torch.nn.Parameter(w.to(tdtype), requires_grad=False)
 
     param(model, names.embed.attr, names.embed.hf + ".weight", vocab_rows=True)
     param(model, names.norm.attr, names.norm.hf + ".weight")
@@ -83,7 +84,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         linear(model, names.lm_head, "")
     for i, layer in enumerate(model.layers):
         prefix = names.hf_layer.format(i)
-        for spec in names.linears:
+        for spec in layer_linears(names, layer):
             linear(layer, spec, prefix)
         for n in names.norms:
             param(layer, n.attr, f"{prefix}{n.hf}.weight")
@@ -96,7 +97,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     if quantization not in (None, "none"):
         if ops is None:
             raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
-        for lin in model._linears():
+        for lin in [lin for lin in model._linears() if lin.quantizable]:
             quantize_linear(model, ops, lin, lin.weight.data, lin.bias.data if lin.bias is not None else None, quantization)
     use_kernels(model, ops, tdtype)
     eos = raw.get("eos_token_id")

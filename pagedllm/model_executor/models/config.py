@@ -28,6 +28,16 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # mixture of experts (0 experts: a dense MLP in every layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv after their projection
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_layers
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -38,6 +48,9 @@ class ModelConfig:
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         heads = cfg["num_attention_heads"]
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = {i for i in range(cfg["num_hidden_layers"]) if (i + 1) % step} | set(cfg.get("mlp_only_layers") or ())
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -55,4 +68,9 @@ class ModelConfig:
             architecture=arch,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            num_experts=experts,
+            num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+            norm_topk_prob=cfg.get("norm_topk_prob", True),
+            dense_layers=tuple(sorted(dense)) if experts else (),
         )

@@ -19,10 +19,11 @@ from ...platforms.cpu import Ops
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.backends import Backend, TorchReference, backend_for
+from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
 from ..layers.weight_formats import GGMLWeight, PackedWeight
 from .config import ModelConfig
-from .weight_names import Linear, Param, Part, WeightNames
+from .weight_names import Linear, Param, Part, WeightNames, has_module
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -59,15 +60,21 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
+        """index: the layer's place in the stack (a mixture-of-experts model may keep dense MLPs in some)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, "qkv_proj" in biases)
         self.o_proj = PackedLinear(self.q_size, cfg.hidden_size, "o_proj" in biases)
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, "gate_up_proj" in biases)
-        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, "down_proj" in biases)
+        self.mlp: FusedMoE | None = None
+        if cfg.is_moe_layer(index):
+            self.mlp = FusedMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                cfg.norm_topk_prob)
+        else:
+            self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, "gate_up_proj" in biases)
+            self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, "down_proj" in biases)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
@@ -76,6 +83,13 @@ class DecoderLayer(nn.Module):
     def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
         """q, k and v of the normalized input, before rope (a family that normalizes q and k does it here)."""
         return self.qkv_proj(h, decode_rows)
+
+    def feed_forward(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """The MLP (or the experts) on the normalized input: [T, hidden] -> [T, hidden]."""
+        if self.mlp is not None:
+            return self.mlp(h, decode_rows, self.backend)
+        act = self.backend.gate_up_act(self.gate_up_proj, h, decode_rows)  # [T, intermediate]
+        return self.down_proj(act, decode_rows)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +103,7 @@ class DecoderLayer(nn.Module):
                          self.scale)  # [T, H, D]
         o = self.o_proj(a.view(t, self.q_size), nd)
         h, residual = self.post_attention_layernorm(o, residual, be)
-        act = be.gate_up_act(self.gate_up_proj, h, nd)  # [T, intermediate]
-        return self.down_proj(act, nd), residual
+        return self.feed_forward(h, nd), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, biases) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, biases, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, False)
         if cfg.tie_word_embeddings:
@@ -156,15 +169,27 @@ class LlamaForCausalLM(nn.Module):
             layer.num_heads, layer.num_kv_heads = hq, hk
             layer.q_size, layer.kv_size = hq * d, hk * d
             for attr in row_parallel:  # the ranks' partial sums
-                getattr(layer, attr).reduce = tp
+                if has_module(layer, attr):
+                    layer.get_submodule(attr).reduce = tp
+            if layer.mlp is not None:  # the experts' partial sums, once after the combine
+                layer.mlp.reduce = tp
 
     def kv_specs(self) -> list[KVSpec]:
         """What each layer keeps per token in the KV pool (this rank's heads)."""
         return [KVSpec(layer.num_kv_heads, layer.head_dim, self.cfg.sliding_window) for layer in self.layers]
 
-    def _linears(self) -> list[nn.Linear]:
-        per_layer = [[lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj] for lay in self.layers]
-        return [lin for group in per_layer for lin in group] + [self.lm_head]
+    def _linears(self) -> list[PackedLinear]:
+        return [m for layer in self.layers for m in layer.modules() if isinstance(m, PackedLinear)] + [self.lm_head]
+
+    def _idle_expert_params(self) -> int:
+        """Expert weights a token does not multiply through (its router picks top_k of num_experts)."""
+        idle = 0
+        for layer in self.layers:
+            if layer.mlp is not None:
+                n = sum(lin.in_features * lin.out_features for lin in layer.mlp.experts.modules()
+                        if isinstance(lin, PackedLinear))
+                idle += n - n * layer.mlp.top_k // layer.mlp.num_experts
+        return idle
 
     @property
     def weight_format(self) -> str:
@@ -186,15 +211,23 @@ class LlamaForCausalLM(nn.Module):
         return total
 
     def matmul_params(self) -> int:
-        """Weights every token multiplies through (all linears, lm_head included), however stored."""
-        return sum(lin.in_features * lin.out_features for lin in self._linears())
+        """Weights every token multiplies through (all linears, lm_head included, a MoE layer's routed experts
+        only), however stored."""
+        return sum(lin.in_features * lin.out_features for lin in self._linears()) - self._idle_expert_params()
 
     def step_weight_bytes(self) -> int:
-        """Bytes one decode step reads: the linears as stored, their biases and the norms (not the
-        embedding table, of which a step gathers a few rows, unless it is the tied lm_head)."""
+        """Bytes one decode step of one sequence reads: the linears as stored (a MoE layer's routed experts
+        only), their biases and the norms (not the embedding table, of which a step gathers a few rows, unless
+        it is the tied lm_head)."""
         others = sum(p.numel() * p.element_size() for name, p in self.named_parameters()
                      if "norm" in name or name.endswith("bias"))
-        return self.linear_weight_bytes() + others
+        idle = 0
+        for layer in self.layers:
+            if layer.mlp is not None:
+                n = sum((lin.packed or lin.weight).nbytes for lin in layer.mlp.experts.modules()
+                        if isinstance(lin, PackedLinear))
+                idle += n - n * layer.mlp.top_k // layer.mlp.num_experts
+        return self.linear_weight_bytes() + others - idle
 
     def set_ops(self, ops: Ops | None, weight_dtype: torch.dtype = torch.float32) -> None:
         """Use the C++ kernels. Dense linears are packed into column panels, fp32 or bf16 (weight_dtype),

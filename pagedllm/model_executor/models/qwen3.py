@@ -14,8 +14,8 @@ from .weight_names import Param
 
 
 class Qwen3DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:
-        super().__init__(cfg, biases)
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
+        super().__init__(cfg, biases, index)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 

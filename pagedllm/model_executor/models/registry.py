@@ -18,6 +18,7 @@ from ...errors import ModelLoadError
 class ModelEntry:
     target: str | type  # "module:Class" relative to this package, or the class itself
     gguf: str | None = None  # the GGUF `general.architecture` this architecture is stored under
+    gguf_experts: bool = False  # the GGUF names it only with `{arch}.expert_count` set (Mixtral is `llama` so)
 
     def load(self) -> type:
         if isinstance(self.target, type):
@@ -32,6 +33,9 @@ _BUILTIN: dict[str, ModelEntry] = {
     "Qwen2ForCausalLM": ModelEntry("qwen2:Qwen2ForCausalLM", gguf="qwen2"),
     "Qwen3ForCausalLM": ModelEntry("qwen3:Qwen3ForCausalLM", gguf="qwen3"),
     "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3"),
+    "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
+    "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
 }
 
 
@@ -39,9 +43,10 @@ class ModelRegistry:
     def __init__(self, entries: dict[str, ModelEntry] | None = None) -> None:
         self._entries = dict(_BUILTIN if entries is None else entries)
 
-    def register(self, architecture: str, target: str | type, gguf: str | None = None) -> ModelRegistry:
+    def register(self, architecture: str, target: str | type, gguf: str | None = None,
+                 gguf_experts: bool = False) -> ModelRegistry:
         """Add (or replace) an architecture; returns self for chaining."""
-        self._entries[architecture] = ModelEntry(target, gguf)
+        self._entries[architecture] = ModelEntry(target, gguf, gguf_experts)
         return self
 
     @property
@@ -54,10 +59,11 @@ class ModelRegistry:
             raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {self.architectures}")
         return entry.load()
 
-    def from_gguf(self, gguf_arch: str | None) -> str:
-        """The HF architecture name a GGUF's `general.architecture` stands for."""
+    def from_gguf(self, gguf_arch: str | None, experts: bool = False) -> str:
+        """The HF architecture name a GGUF's `general.architecture` stands for (experts: the file sets
+        `{arch}.expert_count`)."""
         for name, entry in self._entries.items():
-            if entry.gguf is not None and entry.gguf == gguf_arch:
+            if entry.gguf is not None and entry.gguf == gguf_arch and entry.gguf_experts == experts:
                 return name
         known = sorted(e.gguf for e in self._entries.values() if e.gguf)
         raise ModelLoadError(f"GGUF architecture {gguf_arch!r} is not supported ({', '.join(known)})")

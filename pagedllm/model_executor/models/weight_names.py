@@ -27,8 +27,18 @@ class Part:
 
 def piece_sizes(split: tuple[str, ...], cfg: Any) -> list[int]:
     """Rows of each piece of a stacked tensor, from the model's config."""
-    sizes = {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim, "ffn": cfg.intermediate_size}
+    sizes = {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim, "ffn": cfg.intermediate_size,
+             "moe": cfg.moe_intermediate_size}
     return [sizes[name] for name in split]
+
+
+def has_module(owner: Any, path: str) -> bool:
+    """Whether an nn.Module has a submodule at a dotted path ("mlp.gate")."""
+    try:
+        owner.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,8 @@ class Linear:
     attr: str  # the nn.Linear's attribute on its layer (or on the model)
     parts: tuple[Part, ...]
     # column: each part's outputs split across ranks (heads, MLP rows, vocabulary); row: the inputs split,
-    # outputs all-reduced by the model, a bias added on rank 0 only
-    parallel: Literal["column", "row"] = "column"
+    # outputs all-reduced by the model, a bias added on rank 0 only; replicated: whole on every rank (a router)
+    parallel: Literal["column", "row", "replicated"] = "column"
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,11 @@ class WeightNames:
     embed: Param  # vocab-parallel rows under tensor parallelism
     norm: Param
     lm_head: Linear  # absent from the checkpoint: tied to the embedding
-    linears: tuple[Linear, ...]  # per layer
+    linears: tuple[Linear, ...]  # per layer (attrs may be dotted paths: "mlp.gate"); a layer without the module skips it
     norms: tuple[Param, ...]  # per layer
+    # per expert of a mixture-of-experts layer: `{e}` in attr and HF names stands for the expert's index; the
+    # GGUF name is the 3-D tensor holding every expert (`ffn_gate_exps`), of which expert e is slice e
+    experts: tuple[Linear, ...] = ()
     hf_layer: str = "model.layers.{}."
     gguf_layer: str = "blk.{}."
     gguf_interleaved_rope: frozenset[str] = frozenset()  # GGUF architectures whose q/k rows were interleaved
@@ -73,4 +86,13 @@ class WeightNames:
                 out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, p.rope_heads if rope else None)
         for n in self.norms:
             out[self.gguf_layer + n.gguf] = (self.hf_layer + n.hf, None)
+        for lin in self.experts:  # stacked along a leading expert axis, `{e}` left in the HF name
+            for p in lin.parts:
+                out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, None)
         return out
+
+    def expert_linears(self, e: int) -> list[Linear]:
+        """The expert specs with `{e}` filled in (attr and HF names; GGUF names stay the 3-D tensors')."""
+        return [Linear(lin.attr.format(e=e), tuple(Part(p.hf.format(e=e), p.gguf, p.rope_heads, p.split)
+                                                   for p in lin.parts), lin.parallel)
+                for lin in self.experts]
