@@ -124,3 +124,73 @@ def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None) -> None:
+    """The checkpoint of an HF folder (the tensors as saved: per-expert matrices) as a GGUF of `names`' GGUF
+    names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer. quant: a ggml
+    type name for every linear's matrix (norms, the embedding and routers stay F32)."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.numpy import load_file
+
+    from pagedllm.model_executor.model_loader.gguf import unpermute_rows
+
+    folder = Path(folder)
+    c = json.loads((folder / "config.json").read_text())
+    sd = load_file(str(folder / "model.safetensors"))
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_vocab_size(c["vocab_size"])
+    w.add_key_length(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    if c.get("clip_qkv") is not None:
+        w.add_clamp_kqv(c["clip_qkv"])
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
+
+    def put(name: str, t: np.ndarray, matrix: bool) -> None:
+        if quant is None or not matrix:
+            w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+            return
+        qt = GGMLQuantizationType[quant.upper()]
+        w.add_tensor(name, quantize(np.ascontiguousarray(t, dtype=np.float32), qt), raw_dtype=qt)
+
+    for p in (names.embed, names.norm):
+        put(p.gguf + ".weight", sd[p.hf + ".weight"], False)
+    if names.lm_head.parts[0].hf + ".weight" in sd:
+        put(names.lm_head.parts[0].gguf + ".weight", sd[names.lm_head.parts[0].hf + ".weight"], True)
+    for i in range(c["num_hidden_layers"]):
+        src, dst = names.hf_layer.format(i), names.gguf_layer.format(i)
+        for lin in names.linears:
+            for p in lin.parts:
+                if src + p.hf + ".weight" in sd:
+                    t = sd[src + p.hf + ".weight"]
+                    if p.rope_heads and arch in names.gguf_interleaved_rope:  # as llama.cpp's converter does
+                        heads = c["num_attention_heads"] if p.rope_heads == "num_heads" else c["num_key_value_heads"]
+                        t = t[np.argsort(unpermute_rows(t.shape[0], heads))]
+                    put(dst + p.gguf + ".weight", t, lin.parallel != "replicated")
+        for n in names.norms:
+            put(dst + n.gguf + ".weight", sd[src + n.hf + ".weight"], False)
+        for lin in names.experts:
+            for p in lin.parts:
+                if src + p.hf.format(e=0) + ".weight" in sd:
+                    stacked = np.stack([sd[src + p.hf.format(e=e) + ".weight"] for e in range(experts)])
+                    put(dst + p.gguf + ".weight", stacked, True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

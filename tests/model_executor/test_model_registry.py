@@ -8,7 +8,7 @@ import json
 
 import pytest
 from conftest import make_tiny_model
-from helpers import hf_greedy, renamed_weights, write_gguf_from_hf
+from helpers import hf_greedy, renamed_weights, write_gguf_from_folder, write_gguf_from_hf
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import ModelLoadError
@@ -135,3 +135,33 @@ def test_partial_rotary_is_refused_by_name(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="partial_rotary_factor=0.75"):
         peek_config(tmp_path)
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen3-moe", "qwen3moe"), ("mixtral", "llama"), ("olmoe", "olmoe")])
+def test_moe_from_a_gguf_with_3d_expert_tensors_generates_what_hf_does(tiny_models, tmp_path, arch, gguf_arch) -> None:
+    """Experts stored as GGUF 3-D tensors (`ffn_gate_exps` ...): F32 gives HF's greedy tokens; Q8_0 experts run
+    in their blocks (one slice a GGMLWeight) and stay within the format's tolerance of HF's logits."""
+    folder, hf = tiny_models[arch]
+    llm = LLM(model=folder, dtype="float32")
+    names = type(llm.engine.runner.model).WEIGHTS
+    path = tmp_path / "f32.gguf"
+    write_gguf_from_folder(folder, path, gguf_arch, names)
+    f32 = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert type(f32.engine.runner.model) is type(llm.engine.runner.model)
+    prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 6 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for p, o in zip(prompts, f32.generate([{"prompt_token_ids": p} for p in prompts], params)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
+    q8 = tmp_path / "q8.gguf"
+    write_gguf_from_folder(folder, q8, gguf_arch, names, quant="q8_0")
+    model = LLM(model=str(q8), dtype="float32", num_kv_blocks=64).engine.runner.model
+    assert model.weight_format == "q8_0+f32"  # the experts in their blocks; the routers in fp32 panels
+    import torch
+
+    prompt = prompts[2]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    out = LLM(model=str(q8), dtype="float32", num_kv_blocks=64).generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, logprobs=5, temperature=0))[0]
+    top = max(out.outputs[0].logprobs[0].items(), key=lambda kv: kv[1].logprob)[0]
+    assert top == int(ref.argmax())

@@ -82,13 +82,13 @@ def shard_cols(spec: Linear, n_cols: int, tp: TPGroup | None) -> tuple[int, int]
     return tp.span(n_cols) if tp is not None and spec.parallel == "row" else None
 
 
-def layer_linears(names: WeightNames, layer: nn.Module) -> list[Linear]:
-    """The linears this layer has: the map's (a MoE layer has a router, not a dense MLP; a dense layer of a
-    MoE model the other way round), then each expert's with its index filled in."""
-    specs = [spec for spec in names.linears if has_module(layer, spec.attr)]
+def layer_linears(names: WeightNames, layer: nn.Module) -> list[tuple[Linear, int | None]]:
+    """(spec, expert index or None) of the linears this layer has: the map's (a MoE layer has a router, not a
+    dense MLP; a dense layer of a MoE model the other way round), then each expert's, its index filled in."""
+    specs: list[tuple[Linear, int | None]] = [(spec, None) for spec in names.linears if has_module(layer, spec.attr)]
     experts = getattr(layer, "mlp", None)
     if experts is not None:
-        specs += [spec for e in range(experts.num_experts) for spec in names.expert_linears(e)]
+        specs += [(spec, e) for e in range(experts.num_experts) for spec in names.expert_linears(e)]
     return specs
 
 

@@ -29,6 +29,7 @@ from .base import (
     build,
     check_complete,
     kernels_for,
+    layer_linears,
     model_class,
     quantize_linear,
     resolve_dtype,
@@ -74,8 +75,10 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
     """The HF config.json a GGUF's metadata describes."""
     arch = meta.get("general.architecture")
     reg = registry or default_registry()
-    hf_arch = reg.from_gguf(arch)
-    lm_head = reg.model_class(hf_arch).WEIGHTS.lm_head.parts[0].gguf + ".weight"
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    hf_arch = reg.from_gguf(arch, experts > 0)
+    wn = reg.model_class(hf_arch).WEIGHTS
+    lm_head = wn.lm_head.parts[0].gguf + ".weight"
 
     def g(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -89,13 +92,24 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
         "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
         "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": int(g("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        # the shortest decimal the stored float32 stands for (1e-06, not 9.99999997e-07): HF's value, bit for bit
+        "rms_norm_eps": float(str(np.float32(g("attention.layer_norm_rms_epsilon", 1e-5)))),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 2048)),
         "tie_word_embeddings": lm_head not in tensor_names, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if g("attention.clamp_kqv") is not None:
+        cfg["clip_qkv"] = float(str(np.float32(g("attention.clamp_kqv"))))
+    if experts:
+        expert_tensor = wn.gguf_layer + wn.experts[0].parts[0].gguf + ".weight"
+        cfg.update(num_experts=experts, num_experts_per_tok=int(g("expert_used_count")),
+                   moe_intermediate_size=int(g("expert_feed_forward_length", cfg["intermediate_size"])),
+                   mlp_only_layers=[i for i in range(cfg["num_hidden_layers"])  # layers stored with a dense MLP
+                                    if expert_tensor.format(i) not in tensor_names])
+        if g("expert_weights_norm") is not None:
+            cfg["norm_topk_prob"] = bool(g("expert_weights_norm"))
     if g("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
     return cfg
@@ -123,10 +137,15 @@ class GGUFTensors:
     def fmt(self, name: str) -> WeightFormat | None:
         return format_of_ggml(self.by_name[name].tensor_type)
 
-    def blocks(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """[O, row_bytes] uint8 in place, or a copy in `rows` order and of the weights [cols) (whole
-        blocks: a tensor-parallel shard; the file's pages then dropped)."""
+    def _data(self, name: str, expert: int | None) -> np.ndarray:
         data = self.by_name[name].data
+        return data if expert is None else data[expert]  # a 3-D tensor of experts: [E, O, ...] -> [O, ...]
+
+    def blocks(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None,
+               expert: int | None = None) -> torch.Tensor:
+        """[O, row_bytes] uint8 in place, or a copy in `rows` order and of the weights [cols) (whole
+        blocks: a tensor-parallel shard; the file's pages then dropped). expert: slice e of a 3-D tensor."""
+        data = self._data(name, expert)
         if rows is None and cols is None:
             return torch.from_numpy(data)
         if cols is not None:
@@ -136,22 +155,25 @@ class GGUFTensors:
                                      f"{m.name} blocks of {m.block_weights}")
             data = data[:, cols[0] // m.block_weights * m.block_bytes:cols[1] // m.block_weights * m.block_bytes]
         out = torch.from_numpy(np.ascontiguousarray(data if rows is None else data[rows]))
-        self.release(name)
+        self.release(name, expert)
         return out
 
-    def dense(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """fp32 in HF's shape ([out, in] for matrices), dequantized; file pages dropped afterwards."""
+    def dense(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None,
+              expert: int | None = None) -> torch.Tensor:
+        """fp32 in HF's shape ([out, in] for matrices, [E, out, in] for a tensor of experts, or expert e's
+        [out, in]), dequantized; file pages dropped afterwards."""
         from gguf.quants import dequantize
 
         t = self.by_name[name]
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else w.reshape(-1)
+        w = dequantize(self._data(name, expert), t.tensor_type).astype(np.float32, copy=False)
+        shape = [int(x) for x in reversed(t.shape)][0 if expert is None else 1:]
+        w = w.reshape(shape) if len(shape) > 1 else w.reshape(-1)
         if rows is not None:
             w = w[rows]
         if cols is not None:
             w = w[:, cols[0]:cols[1]]
         out = torch.from_numpy(np.array(w, dtype=np.float32))  # always a copy: the map is not the weight
-        self.release(name)
+        self.release(name, expert)
         return out
 
     def drop_metadata(self) -> None:
@@ -165,15 +187,20 @@ class GGUFTensors:
         except (OSError, AttributeError):
             pass
 
-    def release(self, name: str) -> None:
-        """Drop the pages of a tensor that was copied out, so the copy is not counted twice in RSS."""
+    def release(self, name: str, expert: int | None = None) -> None:
+        """Drop the pages of a tensor (or of one expert's slice of it) that was copied out, so the copy is
+        not counted twice in RSS."""
         t = self.by_name[name]
         mm = getattr(self.reader.data, "_mmap", None)
         if mm is None:
             return
         page = mmap.PAGESIZE
-        start = t.data_offset // page * page
-        end = -(-(t.data_offset + t.n_bytes) // page) * page
+        lo, n = int(t.data_offset), int(t.n_bytes)
+        if expert is not None:
+            n //= int(t.shape[-1])
+            lo += expert * n
+        start = lo // page * page
+        end = -(-(lo + n) // page) * page
         start, end = start + page, end - page  # neighbours' pages may be in use in place: keep edge pages
         if end > start:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
@@ -200,8 +227,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     except ValueError as e:
         log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
         tok = None
-    layer0 = wn.gguf_layer.format(0)
-    model = build(cls, cfg, {lin.attr: f"{layer0}{lin.parts[0].gguf}.bias" in names for lin in wn.linears}, tp)
+    model = build(cls, cfg, {lin.attr: any(f"{wn.gguf_layer.format(i)}{lin.parts[0].gguf}.bias" in names
+                                           for i in range(cfg.num_layers)) for lin in wn.linears}, tp)
     interleaved = f.meta["general.architecture"] in wn.gguf_interleaved_rope
     dequantized: dict[str, int] = {}
 
@@ -218,12 +245,12 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     def cols_of(spec: Linear, name: str) -> tuple[int, int] | None:
         return shard_cols(spec, int(f.by_name[name].shape[0]), tp)
 
-    def linear(lin: nn.Linear, spec: Linear, prefix: str) -> None:
-        """The parts stacked along the outputs, e.g. q, k, v."""
+    def linear(lin: nn.Linear, spec: Linear, prefix: str, expert: int | None = None) -> None:
+        """The parts stacked along the outputs, e.g. q, k, v (expert: slice e of the parts' 3-D tensors)."""
         parts = [(p, f"{prefix}{p.gguf}.weight") for p in spec.parts]
         bias = None
         if lin.bias is not None:
-            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", rows_of(spec, p, name))
+            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", rows_of(spec, p, name), expert=expert)
                               for p, name in parts])
         bias = row_parallel_bias(bias, spec, tp)
         cols = [cols_of(spec, name) for _, name in parts]
@@ -231,21 +258,21 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         fmts = [f.fmt(name) for _, name in parts]
         if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and in_features % m.block_weights == 0
                           for m in fmts):
-            blocks = [(f.blocks(name, rows_of(spec, p, name), c), m)
+            blocks = [(f.blocks(name, rows_of(spec, p, name), c, expert), m)
                       for (p, name), m, c in zip(parts, fmts, cols)]
             weight = GGMLWeight(ops, blocks, in_features, bias)
             for (_, name), repacked in zip(parts, weight.repacked):
                 if repacked:
-                    f.release(name)
+                    f.release(name, expert)
             model.set_packed(lin, weight)
             return
         for (_, name), m in zip(parts, fmts):
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
                 key = f.by_name[name].tensor_type.name
                 dequantized[key] = dequantized.get(key, 0) + 1
-        w = torch.cat([f.dense(name, rows_of(spec, p, name), c) for (p, name), c in zip(parts, cols)])
+        w = torch.cat([f.dense(name, rows_of(spec, p, name), c, expert) for (p, name), c in zip(parts, cols)])
         set_dense(lin, w, bias)
-        if quantization not in (None, "none"):
+        if quantization not in (None, "none") and lin.quantizable:
             quantize_linear(model, ops, lin, w, bias, quantization)
 
     def param(module: nn.Module, name: str) -> None:
@@ -275,8 +302,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     bar = tqdm(model.layers, desc=f"loading {path.name}", unit="layer", delay=2, leave=False, disable=None)
     for i, layer in enumerate(bar):
         prefix = wn.gguf_layer.format(i)
-        for spec in wn.linears:
-            linear(getattr(layer, spec.attr), spec, prefix)
+        for spec, expert in layer_linears(wn, layer):
+            linear(layer.get_submodule(spec.attr), spec, prefix, expert)
         for n in wn.norms:
             param(getattr(layer, n.attr), f"{prefix}{n.gguf}.weight")
     for kind, n in dequantized.items():

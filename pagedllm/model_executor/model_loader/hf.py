@@ -84,7 +84,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         linear(model, names.lm_head, "")
     for i, layer in enumerate(model.layers):
         prefix = names.hf_layer.format(i)
-        for spec in layer_linears(names, layer):
+        for spec, _ in layer_linears(names, layer):
             linear(layer, spec, prefix)
         for n in names.norms:
             param(layer, n.attr, f"{prefix}{n.hf}.weight")
