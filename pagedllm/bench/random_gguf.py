@@ -26,11 +26,19 @@ class Shape:
     vocab: int
     context: int = 4096
     rope_theta: float = 10000.0
+    arch: str = "llama"  # the GGUF architecture: llama, qwen3 (q/k norms) or qwen3moe (q/k norms, experts)
+    head_dim: int | None = None  # None: hidden / heads
+    experts: int = 0  # per layer, in place of the dense MLP
+    experts_used: int = 0
+    expert_intermediate: int = 0
 
 
 SHAPES = {
     "llama3-8b": Shape(4096, 14336, 32, 32, 8, 49152, 8192, 500000.0),  # SmolLM2's vocabulary
+    # 128 experts of 768, 8 routed a token: ~30B weights, ~3B of them active (SmolLM2's vocabulary)
+    "qwen3-30b-a3b": Shape(2048, 6144, 48, 32, 4, 49152, 4096, 1e6, "qwen3moe", 128, 128, 8, 768),
     "tiny": Shape(256, 512, 2, 4, 2, 320, 1024),
+    "tiny-moe": Shape(256, 512, 2, 4, 2, 320, 1024, 1e6, "qwen3moe", 64, 8, 2, 256),
 }
 _QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -91,27 +99,34 @@ _BLOCK_SCALES = {
 def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types: dict[str, str] | None = None,
                       tokenizer_from: Path | None = None, fast: bool = False, tie: bool = True,
                       std: float = 0.02) -> Path:
-    """A llama-architecture GGUF at path: every linear in qtype unless `types` maps a tensor-name
-    suffix (e.g. "attn_v.weight") to another; norms F32; token_embd in qtype (tied lm_head unless
-    tie=False, then output.weight in qtype)."""
+    """A GGUF of shape.arch at path: every linear in qtype unless `types` maps a tensor-name suffix (e.g.
+    "attn_v.weight") to another; norms and routers F32; token_embd in qtype (tied lm_head unless tie=False,
+    then output.weight in qtype). Experts are 3-D tensors (`ffn_gate_exps` ...). Tensors are generated and
+    written one at a time, so a file larger than RAM can be written."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
     from ..model_executor.model_loader.gguf_file import open_gguf
 
     rng = np.random.default_rng(seed)
     types = types or {}
-    w = GGUFWriter(str(path), "llama")
-    head_dim = shape.hidden // shape.heads
+    w = GGUFWriter(str(path), shape.arch)
+    head_dim = shape.head_dim or shape.hidden // shape.heads
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
     w.add_feed_forward_length(shape.intermediate)
     w.add_head_count(shape.heads)
     w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape.vocab)
     w.add_file_type(_FTYPE.get(qtype, 0))
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_intermediate)
     if tokenizer_from is not None:
         src = open_gguf(tokenizer_from)
         for name, field in src.fields.items():
@@ -119,32 +134,60 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
                 sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
                 w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
 
-    def add(name: str, rows: int, cols: int) -> None:
-        q = next((t for suffix, t in types.items() if name.endswith(suffix)), qtype)
-        data = random_tensor(rng, rows, cols, q, fast, std)
-        w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[q])
+    # (name, experts or 0, rows, cols, ggml type; None: an F32 norm of `cols`, "router": F32 [rows, cols])
+    tensors: list[tuple[str, int, int, int, str | None]] = []
 
-    def norm(name: str) -> None:
-        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape.hidden)).astype(np.float32))
+    def add(name: str, rows: int, cols: int, experts: int = 0) -> None:
+        tensors.append((name, experts, rows, cols, next((t for sfx, t in types.items() if name.endswith(sfx)), qtype)))
+
+    def norm(name: str, n: int = shape.hidden) -> None:
+        tensors.append((name, 0, 1, n, None))
 
     add("token_embd.weight", shape.vocab, shape.hidden)
     if not tie:
         add("output.weight", shape.vocab, shape.hidden)
     norm("output_norm.weight")
-    kv = shape.kv_heads * head_dim
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     for i in range(shape.layers):
         p = f"blk.{i}."
-        add(p + "attn_q.weight", shape.hidden, shape.hidden)
+        add(p + "attn_q.weight", q, shape.hidden)
         add(p + "attn_k.weight", kv, shape.hidden)
         add(p + "attn_v.weight", kv, shape.hidden)
-        add(p + "attn_output.weight", shape.hidden, shape.hidden)
-        add(p + "ffn_gate.weight", shape.intermediate, shape.hidden)
-        add(p + "ffn_up.weight", shape.intermediate, shape.hidden)
-        add(p + "ffn_down.weight", shape.hidden, shape.intermediate)
+        add(p + "attn_output.weight", shape.hidden, q)
+        if shape.arch != "llama":
+            norm(p + "attn_q_norm.weight", head_dim)
+            norm(p + "attn_k_norm.weight", head_dim)
+        if shape.experts:
+            tensors.append((p + "ffn_gate_inp.weight", 0, shape.experts, shape.hidden, "router"))
+            e, n = shape.experts, shape.expert_intermediate
+            add(p + "ffn_gate_exps.weight", n, shape.hidden, e)
+            add(p + "ffn_up_exps.weight", n, shape.hidden, e)
+            add(p + "ffn_down_exps.weight", shape.hidden, n, e)
+        else:
+            add(p + "ffn_gate.weight", shape.intermediate, shape.hidden)
+            add(p + "ffn_up.weight", shape.intermediate, shape.hidden)
+            add(p + "ffn_down.weight", shape.hidden, shape.intermediate)
         norm(p + "attn_norm.weight")
         norm(p + "ffn_norm.weight")
+
+    def data(experts: int, rows: int, cols: int, t: str | None, gen: np.random.Generator = rng) -> np.ndarray:
+        if t is None:
+            return (1 + 0.1 * gen.standard_normal(cols)).astype(np.float32)
+        if t == "router":
+            return gen.standard_normal((rows, cols), dtype=np.float32) * std
+        out = random_tensor(gen, max(experts, 1) * rows, cols, t, fast, std)
+        return out.reshape(experts, rows, -1) if experts else out
+
+    for name, experts, rows, cols, t in tensors:  # shapes first: the header precedes the data
+        q_type = GGMLQuantizationType[t] if t not in (None, "router") else GGMLQuantizationType.F32
+        probe = data(0, 1, cols, t, np.random.default_rng())  # one row: its dtype and bytes
+        dims = ([experts] if experts else []) + ([rows] if t is not None else []) + [probe.shape[-1]]
+        nbytes = probe.nbytes * max(experts, 1) * (rows if t is not None else 1)
+        w.add_tensor_info(name, dims, probe.dtype, nbytes, raw_dtype=q_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
+    w.write_ti_data_to_file()
+    for _, experts, rows, cols, t in tensors:  # in the order of the header
+        w.write_tensor_data(data(experts, rows, cols, t))
     w.close()
     return path
