@@ -20,6 +20,16 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=48, head_dim=24)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=False)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=40, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # 7 layers: sliding (window 24, local rope base), one global in six (global base, linear rope scaling)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=7, sliding_window=24, query_pre_attn_scalar=20, final_logit_softcapping=30.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    # the attention scale llama.cpp assumes for a GGUF (head_dim), no soft-capping, one global layer in six
+    "gemma3-gguf": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=7, sliding_window=24, query_pre_attn_scalar=16,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     # layer 1 keeps a dense MLP: both kinds of layer in one model
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
@@ -37,6 +47,10 @@ def make_tiny_model(arch: str, path, seed: int = 0):
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # norms away from their init (ones, or Gemma's zeros): their weights are exercised too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
 

@@ -126,7 +126,7 @@ def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
     w.close()
 
 
-def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None) -> None:
+def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None, norm_shift: float = 0.0) -> None:
     """The checkpoint of an HF folder (the tensors as saved: per-expert matrices) as a GGUF of `names`' GGUF
     names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer. quant: a ggml
     type name for every linear's matrix (norms, the embedding and routers stay F32)."""
@@ -134,7 +134,7 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     from pathlib import Path
 
     import numpy as np
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import quantize
     from safetensors.numpy import load_file
 
@@ -153,7 +153,13 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     w.add_vocab_size(c["vocab_size"])
     w.add_key_length(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    rope = c["rope_parameters"].get("full_attention", c["rope_parameters"])  # Gemma 3: the global layers' rope
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if c.get("sliding_window") is not None and c.get("layer_types"):
+        w.add_sliding_window(c["sliding_window"])
     if c.get("clip_qkv") is not None:
         w.add_clamp_kqv(c["clip_qkv"])
     experts = c.get("num_experts") or c.get("num_local_experts") or 0
@@ -169,8 +175,8 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
         qt = GGMLQuantizationType[quant.upper()]
         w.add_tensor(name, quantize(np.ascontiguousarray(t, dtype=np.float32), qt), raw_dtype=qt)
 
-    for p in (names.embed, names.norm):
-        put(p.gguf + ".weight", sd[p.hf + ".weight"], False)
+    put(names.embed.gguf + ".weight", sd[names.embed.hf + ".weight"], False)
+    put(names.norm.gguf + ".weight", sd[names.norm.hf + ".weight"] + norm_shift, False)
     if names.lm_head.parts[0].hf + ".weight" in sd:
         put(names.lm_head.parts[0].gguf + ".weight", sd[names.lm_head.parts[0].hf + ".weight"], True)
     for i in range(c["num_hidden_layers"]):
@@ -183,8 +189,8 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
                         heads = c["num_attention_heads"] if p.rope_heads == "num_heads" else c["num_key_value_heads"]
                         t = t[np.argsort(unpermute_rows(t.shape[0], heads))]
                     put(dst + p.gguf + ".weight", t, lin.parallel != "replicated")
-        for n in names.norms:
-            put(dst + n.gguf + ".weight", sd[src + n.hf + ".weight"], False)
+        for n in names.norms:  # norm_shift: llama.cpp's Gemma converter stores 1 + w
+            put(dst + n.gguf + ".weight", sd[src + n.hf + ".weight"] + norm_shift, False)
         for lin in names.experts:
             for p in lin.parts:
                 if src + p.hf.format(e=0) + ".weight" in sd:

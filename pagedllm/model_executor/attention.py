@@ -15,6 +15,7 @@ every sequence attends over its own blocks. The rows of a step are ordered:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,6 +75,22 @@ class AttentionMetadata:
     chunks: ChunkRows | None = None  # set when the C++ op serves the prefills too (bf16 pools)
     sliding_window: int | None = None
     op: Callable | None = None
+    decode_ctx_lens: list[int] = field(default_factory=list)  # the decodes' context lengths (torch path's masks)
+    _windows: dict = field(default_factory=dict, repr=False)  # window -> this step's metadata for it
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for a layer that attends over `window` tokens (None: all): the same rows and
+        tables, masks built for that window once a step (models whose layers differ: Gemma 3, gpt-oss)."""
+        if window == self.sliding_window:
+            return self
+        view = self._windows.get(window)
+        if view is None:
+            prefills = [dataclasses.replace(p, mask=build_mask(p.q_len, p.ctx_len, window)) for p in self.prefills]
+            view = dataclasses.replace(self, sliding_window=window, prefills=prefills, _windows={})
+            if self.decode_mask is not None:
+                view.decode_mask = build_decode_mask(self.decode_ctx_lens, self.decode_mask.shape[-1], window)
+            self._windows[window] = view
+        return view
 
 
 def build_mask(q_len: int, ctx_len: int, sliding_window: int | None) -> torch.Tensor | None:
@@ -229,7 +246,8 @@ class MetadataBuilder:
     def build(self, slots: list[int]) -> AttentionMetadata:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(self._dec_tables),
                                  num_decode_rows=self._decode_rows,
-                                 prefills=self._prefills, sliding_window=self.sliding_window, op=self.op)
+                                 prefills=self._prefills, sliding_window=self.sliding_window, op=self.op,
+                                 decode_ctx_lens=self._dec_lens)
         if self.op is not None and self._paged_meta:
             row_seq = [i for i, (_, n, _) in enumerate(self._paged_meta) for _ in range(n)]
             meta.paged = PagedRows(len(row_seq), _padded(self._paged_tables), torch.tensor(row_seq),

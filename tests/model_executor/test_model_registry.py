@@ -165,3 +165,22 @@ def test_moe_from_a_gguf_with_3d_expert_tensors_generates_what_hf_does(tiny_mode
         {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, logprobs=5, temperature=0))[0]
     top = max(out.outputs[0].logprobs[0].items(), key=lambda kv: kv[1].logprob)[0]
     assert top == int(ref.argmax())
+
+
+def test_gemma3_from_a_gguf_as_llama_cpp_stores_it_generates_what_hf_does(tiny_models, tmp_path) -> None:
+    """`gemma3`: norms stored as 1 + w, the global layers' rope base and linear scaling in the metadata, the local
+    base, the one-in-six pattern and the attention scale as llama.cpp fixes them in code."""
+    from pagedllm.model_executor.models.gemma3 import Gemma3ForCausalLM
+
+    folder, hf = tiny_models["gemma3-gguf"]
+    path = tmp_path / "gemma3.gguf"
+    write_gguf_from_folder(folder, path, "gemma3", Gemma3ForCausalLM.WEIGHTS, norm_shift=1.0)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert type(model) is Gemma3ForCausalLM
+    assert [lay.sliding_window for lay in model.layers] == [24] * 5 + [None, 24]
+    prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 20 * i)] for i in range(3)]  # past the window
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)

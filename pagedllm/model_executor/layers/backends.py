@@ -22,6 +22,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def glu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """[T, 2 I] (gate | up) -> act(gate) * up, [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return F.silu(gate) * up
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown activation {act!r}")
+
+
 class _QKNorm:
     def qk_norm(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                 num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -68,11 +78,11 @@ class TorchReference(_QKNorm):
         k = k * cos + rotate_half(k) * sin
         return paged_attention(q, k, v, cache, meta, scale)
 
-    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
-        """silu(gate) * up of the fused gate_up projection: [T, intermediate]."""
+    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int, act: str = "silu") -> torch.Tensor:
+        """act(gate) * up of the fused gate_up projection: [T, intermediate]. act: silu (SwiGLU) or gelu_tanh
+        (GeGLU with the tanh approximation: Gemma)."""
         out = gate_up(h) if gate_up.packed is None else gate_up.packed.matmul(h, decode_rows)
-        gate, up = out.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return glu(out, act)
 
 
 class CpuKernels(_QKNorm):
@@ -109,8 +119,10 @@ class CpuKernels(_QKNorm):
                   head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return attention_from_qkv(self.ops, qkv, cos, sin, num_heads, cache, meta, scale)  # [T, H, D]
 
-    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
-        return gate_up.packed.matmul_silu_and_mul(h, decode_rows)  # every linear is packed with the kernels
+    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int, act: str = "silu") -> torch.Tensor:
+        if act == "silu":  # every linear is packed with the kernels
+            return gate_up.packed.matmul_silu_and_mul(h, decode_rows)
+        return glu(gate_up.packed.matmul(h, decode_rows), act)
 
 
 Backend = TorchReference | CpuKernels

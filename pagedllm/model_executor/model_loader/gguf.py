@@ -112,7 +112,11 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
             cfg["norm_topk_prob"] = bool(g("expert_weights_norm"))
     if g("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
-    return cfg
+    for key, hf in (("attention.sliding_window", "sliding_window"), ("final_logit_softcapping", "final_logit_softcapping"),
+                    ("attn_logit_softcapping", "attn_logit_softcapping")):
+        if g(key) is not None:
+            cfg[hf] = float(str(np.float32(g(key)))) if "softcapping" in key else int(g(key))
+    return reg.model_class(hf_arch).hf_config_from_gguf(cfg)
 
 
 class GGUFTensors:
@@ -310,6 +314,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
                     str(tdtype).removeprefix("torch."))
     check_complete(model, path)
+    model.after_load("gguf")
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)

@@ -90,6 +90,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
             param(layer, n.attr, f"{prefix}{n.hf}.weight")
     sd.clear()  # the loaded tensors now belong to the model (or were cut from)
     check_complete(model, path)
+    model.after_load("hf")
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)

@@ -35,6 +35,11 @@ class ModelConfig:
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv after their projection
+    # layers that differ (Gemma 3): each layer's kind ("sliding_attention" / "full_attention") and each kind's rope
+    layer_types: tuple[str, ...] = ()
+    rope_by_layer_type: dict | None = None  # kind -> {"rope_theta": ..., "rope_scaling": ... or None}
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    final_logit_softcapping: float | None = None
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers

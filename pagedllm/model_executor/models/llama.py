@@ -78,6 +78,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window  # None: attends to every earlier token
+        self.rope_key = "default"  # which of the model's rope tables this layer reads
+        self.act = "silu"  # the gated MLP's activation (SwiGLU)
         self.backend: Backend = TorchReference()
 
     def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
@@ -88,22 +91,27 @@ class DecoderLayer(nn.Module):
         """The MLP (or the experts) on the normalized input: [T, hidden] -> [T, hidden]."""
         if self.mlp is not None:
             return self.mlp(h, decode_rows, self.backend)
-        act = self.backend.gate_up_act(self.gate_up_proj, h, decode_rows)  # [T, intermediate]
+        act = self.backend.gate_up_act(self.gate_up_proj, h, decode_rows, self.act)  # [T, intermediate]
         return self.down_proj(act, decode_rows)
+
+    def self_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The normalized input [T, hidden] -> the attention block's output [T, hidden] (after o_proj)."""
+        nd = meta.num_decode_rows  # the leading rows compute output tokens: a weight format may choose its path by them
+        qkv = self.project_qkv(h, nd)  # [T, q_size + 2 * kv_size]
+        a = self.backend.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
+                                   self.scale)  # [T, H, D]
+        return self.o_proj(a.view(h.shape[0], self.q_size), nd)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream before it (None at layer 0); cos, sin: the
         backend's rope tables. Returns (mlp output, residual)."""
-        t, be = x.shape[0], self.backend
-        h, residual = self.input_layernorm(x, residual, be)
-        nd = meta.num_decode_rows  # the leading rows compute output tokens: a weight format may choose its path by them
-        qkv = self.project_qkv(h, nd)  # [T, q_size + 2 * kv_size]
-        a = be.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
-                         self.scale)  # [T, H, D]
-        o = self.o_proj(a.view(t, self.q_size), nd)
-        h, residual = self.post_attention_layernorm(o, residual, be)
-        return self.feed_forward(h, nd), residual
+        meta = meta.for_window(self.sliding_window)
+        h, residual = self.input_layernorm(x, residual, self.backend)
+        o = self.self_attention(h, cos, sin, cache, meta)
+        h, residual = self.post_attention_layernorm(o, residual, self.backend)
+        return self.feed_forward(h, meta.num_decode_rows), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -129,6 +137,12 @@ class LlamaForCausalLM(nn.Module):
     def config_from_hf(cls, raw: dict) -> ModelConfig:
         return ModelConfig.from_hf(raw)
 
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict) -> dict:
+        """The HF config a GGUF's metadata gave (the keys every family shares), with what llama.cpp fixes for
+        this family in code rather than metadata."""
+        return cfg
+
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:
         """biases: the attribute names of the layers' linears that have one in the checkpoint."""
         super().__init__()
@@ -139,7 +153,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._rope_len = 0
+        self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # rope key -> fp32 (cos, sin) [n, D]
+        self.embed_scale: float | None = None  # the embeddings' multiplier (Gemma: sqrt(hidden))
+        self.final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c)
         self.ops: Ops | None = None
         self.backend: Backend = TorchReference()
         self.tp: TPGroup | None = None
@@ -176,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_specs(self) -> list[KVSpec]:
         """What each layer keeps per token in the KV pool (this rank's heads)."""
-        return [KVSpec(layer.num_kv_heads, layer.head_dim, self.cfg.sliding_window) for layer in self.layers]
+        return [KVSpec(layer.num_kv_heads, layer.head_dim, layer.sliding_window) for layer in self.layers]
 
     def _linears(self) -> list[PackedLinear]:
         return [m for layer in self.layers for m in layer.modules() if isinstance(m, PackedLinear)] + [self.lm_head]
@@ -248,6 +264,10 @@ class LlamaForCausalLM(nn.Module):
         if ops is None:
             self.embed_tokens.unpack()
 
+    def after_load(self, source: str) -> None:
+        """Every weight is in place, as the checkpoint stores it (source: "hf" or "gguf"); a family whose two
+        formats store a tensor differently evens that out here (Gemma's norms)."""
+
     def tie_lm_head(self) -> None:
         """The output projection reads the token table as it was loaded (dense or packed, a shard under TP)."""
         table = self.embed_tokens
@@ -261,27 +281,39 @@ class LlamaForCausalLM(nn.Module):
         """Give a linear its weights already packed (GGUF blocks, quantized at load)."""
         lin.set_packed(packed, shared=lin.weight is self.embed_tokens.weight)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_inv_freq(self, key: str) -> torch.Tensor:
+        """The inverse frequencies of the rope table layers name by `rope_key` (one table unless the model's
+        layers differ: Gemma 3's local and global layers)."""
+        return rope_inv_freq(self.cfg)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
-        if need > self._rope_len:  # tables grow on demand, computed in fp32 as HF does
+        table = self._rope_tables.get(key)
+        if table is None or need > table[0].shape[0]:  # tables grow on demand, computed in fp32 as HF does
             n = max(need, min(self.cfg.max_position_embeddings, 4096))
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(self.cfg))
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.rope_inv_freq(key))
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-            self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
-        return self.backend.rope_tables(self._cos, self._sin, positions, dtype)
+            table = self._rope_tables[key] = (emb.cos(), emb.sin())
+        return self.backend.rope_tables(*table, positions, dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self._rope(positions, x.dtype)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = {key: self._rope(positions, x.dtype, key) for key in dict.fromkeys(lay.rope_key for lay in self.layers)}
         residual = None
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+            x, residual = layer(x, residual, *ropes[layer.rope_key], cache, meta)
         if logits_indices.numel() == 0:  # KV only (a draft model mirroring a step)
             return torch.zeros(0, self.cfg.vocab_size)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.backend)
         # the sampled rows keep the step's order: the decodes' rows first
-        return self.lm_head(x, meta.num_decode_rows).float()  # [R, vocab]
+        logits = self.lm_head(x, meta.num_decode_rows).float()  # [R, vocab]
+        if self.final_logit_softcapping is not None:
+            c = self.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits
