@@ -31,11 +31,16 @@ class ModelShape:
     max_model_len: int
     tie_word_embeddings: bool = False
     weights_bytes: int | None = None  # as deployed, when known
+    num_experts: int = 0  # a mixture of experts: every layer's MLP is num_experts of moe_intermediate_size
+    moe_intermediate_size: int = 0
 
     @property
     def num_params(self) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        mlp = 3 * h * self.intermediate_size
+        if self.num_experts:
+            mlp = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts  # experts + router
+        per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -53,10 +58,12 @@ PRESETS = {
 
 def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
     heads = cfg["num_attention_heads"]
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     return ModelShape(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
                       cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
                       cfg["intermediate_size"], cfg["vocab_size"], cfg.get("max_position_embeddings", 2048),
-                      cfg.get("tie_word_embeddings", False))
+                      cfg.get("tie_word_embeddings", False), num_experts=experts,
+                      moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
 
 
 def shape_from_gguf(path: Path) -> ModelShape:

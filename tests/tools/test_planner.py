@@ -72,3 +72,21 @@ def test_weights_per_format_and_a_gguf_as_stored(tmp_path):
     stored = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
     assert load_shape(str(path)).weights_bytes == stored
     assert plan(load_shape(str(path)), "1GB").weights_bytes == stored
+
+
+def test_a_mixture_of_experts_counts_every_expert(tiny_models):
+    """Qwen3-MoE's HF config: the weights are every expert's (all stay in memory), the KV its attention's."""
+    import json
+    from pathlib import Path
+
+    from pagedllm.tools.planner import load_shape
+
+    folder, hf = tiny_models["qwen3-moe"]
+    shape = load_shape(folder)
+    c = json.loads((Path(folder) / "config.json").read_text())
+    assert shape.num_experts == 8 and shape.head_dim == 16
+    # the tiny model keeps a dense MLP in layer 1; the planner counts every layer as a MoE layer
+    dense, moe = 3 * 64 * c["intermediate_size"], 8 * 3 * 64 * c["moe_intermediate_size"] + 64 * 8
+    hf_params = sum(p.numel() for p in hf.parameters())
+    qk_norms = 2 * 2 * 16  # per-head q/k norm weights, which the planner's count leaves out
+    assert shape.num_params == hf_params - dense + moe - qk_norms
