@@ -46,6 +46,12 @@ class TorchReference(_QKNorm):
     name = "torch"
     argmax_rows = None  # torch's argmax
 
+    def moe_experts(self, moe: nn.Module, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    decode_rows: int) -> torch.Tensor | None:
+        """A MoE layer's routed experts in one call, [T, hidden] fp32; None: no such op for these weights (the
+        layer runs each expert itself)."""
+        return None
+
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         """(the op that attends the paged rows in place, whether prefills take the chunk kernel): neither here;
         decodes and chunks gather their blocks for SDPA."""
@@ -91,6 +97,19 @@ class CpuKernels(_QKNorm):
     def __init__(self, ops: Ops) -> None:
         self.ops = ops
         self.argmax_rows = ops.argmax_rows  # torch's is single-threaded: ~2.7 ms on 64 x 49k
+        self._moe_args: dict[int, tuple] = {}  # id(layer) -> (its first expert's packed weight, the op's lists)
+
+    def moe_experts(self, moe: nn.Module, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    decode_rows: int) -> torch.Tensor | None:
+        """Experts in ggml block formats: the whole layer in the op (moe.cpp), no per-expert dispatch here."""
+        first = moe.experts[0].gate_up_proj.packed
+        cached = self._moe_args.get(id(moe))
+        if cached is None or cached[0] is not first:  # built once per packing of the layer
+            cached = self._moe_args[id(moe)] = (first, _ggml_expert_args(moe))
+        args = cached[1]
+        if args is None:
+            return None
+        return self.ops.moe_ggml(h, ids, weights, *args)  # every row on the integer dot: batch-invariant
 
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         """The op reads fp32, bf16 and fp8 pools in place; a bf16 pool's prefills go to its chunk kernel (bf16
@@ -123,6 +142,23 @@ class CpuKernels(_QKNorm):
         if act == "silu":  # every linear is packed with the kernels
             return gate_up.packed.matmul_silu_and_mul(h, decode_rows)
         return glu(gate_up.packed.matmul(h, decode_rows), act)
+
+
+def _ggml_expert_args(moe: nn.Module) -> tuple | None:
+    """moe_ggml's weight lists for a layer whose experts are all GGML weights with the same number of gate_up
+    parts and no biases; None otherwise."""
+    from .weight_formats import GGMLWeight
+
+    gu = [e.gate_up_proj.packed for e in moe.experts]
+    dn = [e.down_proj.packed for e in moe.experts]
+    if not all(isinstance(w, GGMLWeight) and w.bias is None for w in gu + dn):
+        return None
+    parts = len(gu[0]._weights)
+    if any(len(w._weights) != parts for w in gu) or any(len(w._weights) != 1 for w in dn):
+        return None
+    return ([t for w in gu for t in w._weights], [t for w in gu for t in w._types],
+            [r for w in gu for r in w.rows_per_part], parts,
+            [w._weights[0] for w in dn], [w._types[0] for w in dn], [w.rows_per_part[0] for w in dn])
 
 
 Backend = TorchReference | CpuKernels

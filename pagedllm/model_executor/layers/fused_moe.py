@@ -48,6 +48,16 @@ class FusedMoE(nn.Module):
         compute output tokens; each expert is told how many of its rows are such rows (its rows keep h's
         order), so a row's result does not depend on the batch it came in."""
         weights, ids = self.route(h, decode_rows)
+        out = backend.moe_experts(self, h, ids, weights, decode_rows)
+        if out is None:
+            out = self.run_experts(h, ids, weights, decode_rows, backend)
+        if self.reduce is not None:
+            self.reduce.all_reduce(out)
+        return out.to(h.dtype)
+
+    def run_experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, decode_rows: int,
+                    backend) -> torch.Tensor:
+        """Each picked expert on its rows, one module call at a time: [T, hidden] fp32."""
         flat = ids.flatten()  # [T * top_k]: token t's picks at t * top_k ...
         order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within each
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -65,6 +75,4 @@ class FusedMoE(nn.Module):
             act = backend.gate_up_act(expert.gate_up_proj, h[rows], nd)  # [n, intermediate]
             y = expert.down_proj(act, nd)  # [n, hidden]
             out.index_add_(0, rows, (y * weights.flatten()[picks].unsqueeze(1)).float())
-        if self.reduce is not None:
-            self.reduce.all_reduce(out)
-        return out.to(h.dtype)
+        return out

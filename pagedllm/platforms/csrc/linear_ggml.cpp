@@ -431,9 +431,11 @@ void check_weight(const torch::Tensor& w) {
 
 const char* linear_ggml_isa() { return kIsa; }
 
-torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
-                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O,
-                          int64_t decode_rows) {
+namespace {
+
+torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                             const std::vector<int64_t>& rows, const c10::optional<torch::Tensor>& bias, int64_t O,
+                             bool dot) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == rows.size() && !ws.empty(),
               "linear_ggml: one type and row count per weight part");
@@ -453,9 +455,9 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   auto y = torch::empty({M, O}, x.options());
   float* yp = y.data_ptr<float>();
   // activations prepared once for all parts: int8 per 32 for the dot, bf16 pairs for the panel path
+  TORCH_CHECK(!dot || K % 32 == 0, "linear_ggml: the integer dot needs K a multiple of 32, not ", K);
   QAct a{};
   bf16::Pairs xb;
-  const bool dot = M < kDotRowsMax && (decode_rows < 0 || decode_rows >= M);
   bool any_plain = false, any_x16 = false;
   for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
   if (K % 32 == 0 && dot && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K);
@@ -485,6 +487,21 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
     col0 += rows[i];
   }
   return y;
+}
+
+}  // namespace
+
+torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
+                          std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O,
+                          int64_t decode_rows) {
+  const int64_t M = x.dim() == 2 ? x.size(0) : 0;
+  const bool dot = M < kDotRowsMax && (decode_rows < 0 || decode_rows >= M) && x.size(-1) % 32 == 0;
+  return linear_ggml_on(x, ws, types, rows, bias, O, dot);
+}
+
+torch::Tensor linear_ggml_dot(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
+                              const std::vector<int64_t>& rows, int64_t O) {
+  return linear_ggml_on(x, ws, types, rows, c10::nullopt, O, true);
 }
 
 torch::Tensor dequantize_ggml(torch::Tensor w, int64_t type, int64_t K, int64_t rows, c10::optional<torch::Tensor> ids) {

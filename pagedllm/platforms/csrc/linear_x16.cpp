@@ -327,23 +327,41 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
 }
 
 template <int TYPE>
+void dot_range(const uint8_t* wp, int64_t nch, int64_t rows, const X16Act& a, int64_t M, const float* bias, float* y,
+               int64_t O, int64_t lo, int64_t hi) {
+  int64_t t = 0;
+  for (; t + 4 <= M; t += 4) dot_groups<TYPE, 4>(wp, nch, lo, hi, rows, a, t, bias, y, O);
+  switch (M - t) {
+    case 3: dot_groups<TYPE, 3>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
+    case 2: dot_groups<TYPE, 2>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
+    case 1: dot_groups<TYPE, 1>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
+    default: break;
+  }
+}
+
+template <int TYPE>
 void dot_all(const uint8_t* wp, int64_t nch, int64_t rows, const X16Act& a, int64_t M, const float* bias, float* y,
              int64_t O) {
   const int64_t G = (rows + 15) / 16;
-  at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
-    int64_t t = 0;
-    for (; t + 4 <= M; t += 4) dot_groups<TYPE, 4>(wp, nch, lo, hi, rows, a, t, bias, y, O);
-    switch (M - t) {
-      case 3: dot_groups<TYPE, 3>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
-      case 2: dot_groups<TYPE, 2>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
-      case 1: dot_groups<TYPE, 1>(wp, nch, lo, hi, rows, a, t, bias, y, O); break;
-      default: break;
-    }
-  });
+  at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) { dot_range<TYPE>(wp, nch, rows, a, M, bias, y, O, lo, hi); });
 }
 
 }  // namespace
 #endif
+
+void x16_dot_groups(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
+                    float* y, int64_t O, int64_t g_lo, int64_t g_hi) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (type == 2) dot_range<2>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+  if (type == 3) dot_range<3>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+  if (type == 8) dot_range<8>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+  if (type == 12) dot_range<12>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+  if (type == 14) dot_range<14>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+#else
+  (void)type; (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O; (void)g_lo; (void)g_hi;
+#endif
+}
 
 void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
              float* y, int64_t O) {

@@ -23,6 +23,10 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K);
 // y[:, n] for the part's `rows` outputs (y, bias already at the part's first column): the integer dot
 void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
              float* y, int64_t O);
+// the same for the 16-row groups [g_lo, g_hi) only, on the calling thread (moe.cpp runs many experts' groups in
+// one parallel region)
+void x16_dot_groups(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
+                    float* y, int64_t O, int64_t g_lo, int64_t g_hi);
 // one 48-row bf16 panel [K2, 48, 2] (3 groups of 16 rows) for the prefill path; padded rows zero
 void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint16_t* panel);
 // fp32 rows [R, K] (ids: which rows; all when empty)

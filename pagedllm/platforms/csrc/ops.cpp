@@ -1,6 +1,6 @@
 // CPU kernels for the fp32 hot paths: a linear over panel-packed weights, fused RMSNorm (+ residual
 // add), rotary embedding, silu_and_mul, and a row argmax; the Python bindings of every op (attention:
-// attention.cpp, other weight formats: linear_bf16.cpp / linear_ggml.cpp / linear_x16.cpp, grammar
+// attention.cpp, other weight formats: linear_bf16.cpp / linear_ggml.cpp / linear_x16.cpp, experts: moe.cpp, grammar
 // masks: mask_rows.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -13,6 +13,7 @@
 #include "linear_bf16.h"
 #include "linear_ggml.h"
 #include "mask_rows.h"
+#include "moe.h"
 #include "row_tiles.h"
 #include "vec16.h"
 
@@ -183,5 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_repacks", &ggml_repacks, "whether this CPU runs a ggml type repacked into 16-row groups");
   m.def("repack_ggml", &repack_ggml, "[O, row_bytes] -> 16-row groups [ceil(O / 16), K / 32, bytes] (Q4_0 Q4_1 Q8_0)");
   m.def("linear_ggml_isa", &linear_ggml_isa, "the instruction set linear_ggml's integer dot was compiled for");
+  m.def("moe_ggml", &moe_ggml, "a mixture-of-experts MLP over ggml-format experts: each picked expert once on its "
+        "tokens, weighted and summed (fp32, CPU)");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }

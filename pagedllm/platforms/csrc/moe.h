@@ -1,0 +1,12 @@
+// A mixture-of-experts MLP over experts in ggml block formats, in one call (moe.cpp).
+#pragma once
+#include <torch/types.h>
+
+// x [T, K] fp32; ids, wts [T, top_k]: each token's experts and routing weights. Expert e's gate_up linear is
+// the parts gate_up[e * P, (e + 1) * P) (P = parts_per_expert; gate rows, then up rows), its down linear down[e];
+// types and rows as linear_ggml takes them. Returns sum over a token's experts of wts * down(silu(gate) * up),
+// [T, O_down] fp32, each row computed the same way in any batch.
+torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, std::vector<torch::Tensor> gate_up,
+                       std::vector<int64_t> gate_up_types, std::vector<int64_t> gate_up_rows, int64_t parts_per_expert,
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, std::vector<int64_t> down_rows);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);  // ops.cpp
