@@ -90,19 +90,25 @@ class GGMLWeight(PackedWeight):
     says which, so the loader can drop the file's pages of those."""
 
     def __init__(self, ops: Ops, parts: list[tuple[Tensor, WeightFormat]], in_features: int,
-                 bias: Tensor | None = None) -> None:
-        for data, fmt in parts:
+                 bias: Tensor | None = None, prepacked: list[int | None] | None = None) -> None:
+        """prepacked[i]: part i is already in this CPU's repacked layout (repack_experts) and holds that many
+        rows; None (or no list): part i is rows as the file stores them, repacked here where the CPU runs it so."""
+        prepacked = prepacked or [None] * len(parts)
+        for (data, fmt), rows in zip(parts, prepacked):
             if fmt.name not in GGML_KERNEL_FORMATS or in_features % fmt.block_weights:
                 raise ValueError(f"{fmt.name} cannot run a linear of {in_features} inputs in place")
-            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != fmt.row_bytes(in_features):
+            if rows is None and (data.dtype != torch.uint8 or data.dim() != 2
+                                 or data.shape[1] != fmt.row_bytes(in_features)):
                 raise ValueError(f"{fmt.name} part {tuple(data.shape)} is not rows of {in_features} weights")
         self.ops, self.in_features = ops, in_features
         self.formats = [f for _, f in parts]
-        self.rows_per_part = [d.shape[0] for d, _ in parts]
+        self.rows_per_part = [d.shape[0] if rows is None else rows for (d, _), rows in zip(parts, prepacked)]
         self.out_features = sum(self.rows_per_part)
         self.bias = bias.float().contiguous() if bias is not None else None
-        self.repacked = [bool(ops.ggml_repacks(f.ggml_type)) for _, f in parts]
-        self._weights = [ops.repack_ggml(d, f.ggml_type) if r else d for (d, f), r in zip(parts, self.repacked)]
+        self.repacked = [rows is not None or bool(ops.ggml_repacks(f.ggml_type))
+                         for (_, f), rows in zip(parts, prepacked)]
+        self._weights = [ops.repack_ggml(d, f.ggml_type) if r and rows is None else d
+                         for (d, f), r, rows in zip(parts, self.repacked, prepacked)]
         self._types = [f.ggml_type + REPACKED if r else f.ggml_type for (_, f), r in zip(parts, self.repacked)]
 
     def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
@@ -125,6 +131,17 @@ class GGMLWeight(PackedWeight):
     @property
     def format_name(self) -> str:
         return "+".join(dict.fromkeys(f.name for f in self.formats))
+
+
+def repack_experts(ops: Ops, data: Tensor, fmt: WeightFormat) -> list[Tensor] | None:
+    """A 3-D tensor of experts [E, O, row_bytes] repacked in one buffer (on huge pages: an expert's matrix is
+    often under 2 MiB, too small to get them alone), as each expert's view; None where this CPU runs the
+    format as stored or O is not whole 16-row groups (each expert is then repacked on its own)."""
+    experts, rows = data.shape[0], data.shape[1]
+    if fmt.name not in GGML_KERNEL_FORMATS or not ops.ggml_repacks(fmt.ggml_type) or rows % 16:
+        return None
+    packed = ops.repack_ggml(data.reshape(experts * rows, -1), fmt.ggml_type)  # [E * O / 16, chunks, bytes]
+    return list(packed.chunk(experts))
 
 
 def quantize(ops: Ops, w: Tensor, bias: Tensor | None, name: str) -> GGMLWeight:

@@ -21,7 +21,7 @@ from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...tokenizer import Tokenizer
 from ..layers.formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
-from ..layers.weight_formats import GGMLWeight
+from ..layers.weight_formats import GGMLWeight, repack_experts
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Part
 from .base import (
@@ -249,6 +249,16 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     def cols_of(spec: Linear, name: str) -> tuple[int, int] | None:
         return shard_cols(spec, int(f.by_name[name].shape[0]), tp)
 
+    packed_experts: dict[str, list[torch.Tensor] | None] = {}
+
+    def experts_packed(name: str, fmt) -> list[torch.Tensor] | None:
+        """A 3-D tensor of experts repacked once, in one buffer (its file pages then dropped); None: not here."""
+        if name not in packed_experts:  # (the views share the model's buffers: the dict holds no extra memory)
+            packed_experts[name] = repack_experts(ops, f.blocks(name), fmt)
+            if packed_experts[name] is not None:
+                f.release(name)
+        return packed_experts[name]
+
     def linear(lin: nn.Linear, spec: Linear, prefix: str, expert: int | None = None) -> None:
         """The parts stacked along the outputs, e.g. q, k, v (expert: slice e of the parts' 3-D tensors)."""
         parts = [(p, f"{prefix}{p.gguf}.weight") for p in spec.parts]
@@ -262,11 +272,14 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         fmts = [f.fmt(name) for _, name in parts]
         if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and in_features % m.block_weights == 0
                           for m in fmts):
-            blocks = [(f.blocks(name, rows_of(spec, p, name), c, expert), m)
-                      for (p, name), m, c in zip(parts, fmts, cols)]
-            weight = GGMLWeight(ops, blocks, in_features, bias)
-            for (_, name), repacked in zip(parts, weight.repacked):
-                if repacked:
+            stacked = [experts_packed(name, m) if expert is not None and rows_of(spec, p, name) is None and c is None
+                       else None for (p, name), m, c in zip(parts, fmts, cols)]
+            blocks = [(s[expert] if s is not None else f.blocks(name, rows_of(spec, p, name), c, expert), m)
+                      for (p, name), m, c, s in zip(parts, fmts, cols, stacked)]
+            prepacked = [int(f.by_name[name].shape[1]) if s is not None else None for (_, name), s in zip(parts, stacked)]
+            weight = GGMLWeight(ops, blocks, in_features, bias, prepacked)
+            for (_, name), repacked, s in zip(parts, weight.repacked, stacked):
+                if repacked and s is None:
                     f.release(name, expert)
             model.set_packed(lin, weight)
             return

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "bf16_tile.h"
+#include "huge_pages.h"
 #include "linear_bf16.h"
 #include "vec16.h"
 
@@ -24,7 +25,7 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack_bf16: w must be [O, K]");
   const int64_t O = w.size(0), K = w.size(1), P = (O + NR - 1) / NR, K2 = (K + 1) / 2;
   auto wb = w.to(torch::kBFloat16).contiguous();
-  auto packed = torch::zeros({P, K2, NR, 2}, wb.options());
+  auto packed = zeros_on_huge_pages({P, K2, NR, 2}, wb.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {

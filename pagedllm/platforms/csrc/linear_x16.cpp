@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "bf16_tile.h"
+#include "huge_pages.h"
 #include "ggml_blocks.h"
 #include "linear_x16.h"
 
@@ -104,7 +105,7 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t type) {
   const int64_t O = w.size(0), nblk = w.size(1) / L.block_bytes, G = (O + 15) / 16;
   const int64_t nch = L.kquant ? nblk * 8 : nblk;
   TORCH_CHECK(w.size(1) == nblk * L.block_bytes, "repack_x16: rows are not whole blocks");
-  auto out = torch::zeros({G, nch, L.chunk_bytes}, w.options());
+  auto out = zeros_on_huge_pages({G, nch, L.chunk_bytes}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, G, 1, [&](int64_t lo, int64_t hi) {
