@@ -30,6 +30,13 @@ ARCHS = {
         head_dim=16, num_hidden_layers=7, sliding_window=24, query_pre_attn_scalar=16,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    # Phi-4-mini's rope: half of each head rotated, LongRoPE (short factors within the original context)
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096, partial_rotary_factor=0.5,
+        original_max_position_embeddings=512, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [4.0, 5.0, 6.0, 7.0],
+            "original_max_position_embeddings": 512})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     # layer 1 keeps a dense MLP: both kinds of layer in one model
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_tiny_model
 from helpers import hf_greedy, renamed_weights, write_gguf_from_folder, write_gguf_from_hf
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.errors import ModelLoadError
 from pagedllm.model_executor.model_loader import load_model
 from pagedllm.model_executor.models import default_registry
@@ -125,16 +125,13 @@ def test_phi3_stacked_tensors_from_a_gguf_generate_what_hf_does(tiny_models, tmp
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
 
 
-def test_partial_rotary_is_refused_by_name(tmp_path) -> None:
-    import json
-
-    from pagedllm.model_executor.model_loader import peek_config
-
-    cfg = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "partial_rotary_factor": 0.75}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor=0.75"):
-        peek_config(tmp_path)
+def test_longrope_caps_the_context_at_its_original_length(tiny_models) -> None:
+    """Phi-4-mini's LongRoPE: the short factors hold within original_max_position_embeddings; past it HF switches
+    to the long factors, which are not implemented, so the model's context is the original one."""
+    llm = LLM(model=tiny_models["phi4-mini"][0], dtype="float32", num_kv_blocks=64)
+    assert llm.engine.runner.model.cfg.max_position_embeddings == 512
+    with pytest.raises(ConfigError, match="exceeds the model's context"):
+        LLM(model=tiny_models["phi4-mini"][0], dtype="float32", max_model_len=1024)
 
 
 @pytest.mark.parametrize("arch,gguf_arch", [("qwen3-moe", "qwen3moe"), ("mixtral", "llama"), ("olmoe", "olmoe")])

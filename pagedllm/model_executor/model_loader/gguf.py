@@ -100,6 +100,8 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if g("rope.dimension_count") is not None and int(g("rope.dimension_count")) != cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = int(g("rope.dimension_count")) / cfg["head_dim"]
     if g("attention.clamp_kqv") is not None:
         cfg["clip_qkv"] = float(str(np.float32(g("attention.clamp_kqv"))))
     if experts:

@@ -34,6 +34,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP in a MoE model
+    partial_rotary_factor: float = 1.0  # the leading fraction of each head's dims that rope rotates (Phi-4-mini)
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv after their projection
     # layers that differ (Gemma 3): each layer's kind ("sliding_attention" / "full_attention") and each kind's rope
     layer_types: tuple[str, ...] = ()
@@ -78,4 +79,6 @@ class ModelConfig:
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
             norm_topk_prob=cfg.get("norm_topk_prob", True),
             dense_layers=tuple(sorted(dense)) if experts else (),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor")
+                                        or 1.0),
         )

@@ -26,13 +26,51 @@ from .config import ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames, has_module
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
+    """[head_dim / 2]: each rotate_half pair's frequency. Under partial rotary the pairs past rotary_dim / 2
+    get 0 (cos 1, sin 0: untouched); the model's loader has ordered each head's q/k dims so that its rotary
+    pairs come first (see `partial_rotary_order`)."""
+    inv_freq = _rotary_inv_freq(cfg)
+    return torch.cat((inv_freq, inv_freq.new_zeros(cfg.head_dim // 2 - inv_freq.shape[0])))
+
+
+def rope_attention_scale(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] multiplier of the cos / sin tables: LongRoPE's attention factor on the rotary pairs only."""
+    s, n_rot = cfg.rope_scaling or {}, rotary_dim(cfg) // 2
+    scale = torch.ones(cfg.head_dim // 2)
+    if s.get("rope_type", s.get("type")) == "longrope":
+        factor = s.get("factor") or cfg.max_position_embeddings / s["original_max_position_embeddings"]
+        attention = s.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+        scale[:n_rot] = attention
+    return scale
+
+
+def partial_rotary_order(head_dim: int, rot: int) -> torch.Tensor:
+    """The order of a head's dims that puts HF's partial-rotary pairs (i, i + rot / 2), i < rot / 2, at rotate_half's
+    full-width pairs (i, i + head_dim / 2) and the unrotated dims in the remaining slots: q and k are reordered
+    alike (their dot product is unchanged), so the full-width rope kernels rotate exactly HF's dims."""
+    half, rest = rot // 2, (head_dim - rot) // 2
+    first = [*range(half), *range(rot, rot + rest)]
+    second = [*range(half, rot), *range(rot + rest, head_dim)]
+    return torch.tensor(first + second)
+
+
+def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = rotary_dim(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = cfg.rope_scaling
     if not s:
         return inv_freq
     kind = s.get("rope_type", s.get("type"))
+    if kind == "longrope":  # the short factors: the context is capped at original_max_position_embeddings
+        ext = torch.tensor(s["short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if kind == "linear":
         return inv_freq / s["factor"]
     if kind == "llama3":
@@ -45,7 +83,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+    raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, longrope)")
 
 
 class RMSNorm(nn.Module):
@@ -286,6 +324,9 @@ class LlamaForCausalLM(nn.Module):
         layers differ: Gemma 3's local and global layers)."""
         return rope_inv_freq(self.cfg)
 
+    def rope_attention_scale(self, key: str) -> torch.Tensor:
+        return rope_attention_scale(self.cfg)
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
         table = self._rope_tables.get(key)
@@ -293,7 +334,8 @@ class LlamaForCausalLM(nn.Module):
             n = max(need, min(self.cfg.max_position_embeddings, 4096))
             freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.rope_inv_freq(key))
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-            table = self._rope_tables[key] = (emb.cos(), emb.sin())
+            scale = self.rope_attention_scale(key).repeat(2)  # [D]
+            table = self._rope_tables[key] = (emb.cos() * scale, emb.sin() * scale)
         return self.backend.rope_tables(*table, positions, dtype)
 
     @torch.inference_mode()

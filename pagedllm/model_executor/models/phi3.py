@@ -1,16 +1,25 @@
-"""Phi-3 (mini / medium, the 4k-context configs): the Llama layer, with q, k and v stored as one `qkv_proj` and
-gate and up as one `gate_up_proj` in the checkpoint (GGUF architecture `phi3`: `attn_qkv`, and `ffn_up` holding
-gate then up); the loader reads them as stacked pieces, so tensor parallelism still cuts each piece on its own.
-Partial rotary (Phi-4-mini) and LongRoPE (the 128k configs) are refused by name."""
+"""Phi-3 and Phi-4-mini: the Llama layer, with q, k and v stored as one `qkv_proj` and gate and up as one
+`gate_up_proj` in the checkpoint (GGUF architecture `phi3`: `attn_qkv`, and `ffn_up` holding gate then up); the
+loader reads them as stacked pieces, so tensor parallelism still cuts each piece on its own.
+
+Partial rotary (Phi-4-mini: 3/4 of each head): each head's q/k dims are reordered at load so the full-width rope
+kernels rotate exactly the rotary dims (`partial_rotary_order`). LongRoPE (the 128k configs): the short factors
+and the attention factor, with the context capped at `original_max_position_embeddings` (the long factors, which
+HF switches to past it, are not implemented)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+
+import torch
 
 from ...errors import ModelLoadError
 from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, partial_rotary_order, rotary_dim
 from .weight_names import Linear, Part
+
+log = logging.getLogger("pagedllm")
 
 _LLAMA = LlamaForCausalLM.WEIGHTS
 
@@ -29,8 +38,38 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> ModelConfig:
-        rope = {**(raw.get("rope_parameters") or {}), **(raw.get("rope_scaling") or {})}
-        factor = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-        if factor not in (None, 1, 1.0):
-            raise ModelLoadError(f"partial rotary embeddings (partial_rotary_factor={factor}) are not supported yet")
-        return ModelConfig.from_hf(raw)
+        cfg = ModelConfig.from_hf(raw)
+        s = cfg.rope_scaling
+        if s and s.get("rope_type", s.get("type")) == "longrope":
+            original = s.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+            if original is None:
+                raise ModelLoadError("longrope scaling without original_max_position_embeddings")
+            # the factor from the advertised context, before the cap below
+            cfg.rope_scaling = {**s, "original_max_position_embeddings": original,
+                                "factor": s.get("factor") or cfg.max_position_embeddings / original}
+            if cfg.max_position_embeddings > original:
+                log.info("LongRoPE: context capped at %d tokens (the short factors; the long ones are not implemented)",
+                         original)
+                cfg.max_position_embeddings = original
+        return cfg
+
+    def after_load(self, source: str) -> None:
+        cfg = self.cfg
+        rot = rotary_dim(cfg)
+        if rot == cfg.head_dim:
+            return
+        lin = self.layers[0].qkv_proj
+        if lin.packed is not None:
+            raise ModelLoadError(f"partial rotary embeddings (rotary dims {rot} of {cfg.head_dim}) from quantized "
+                                 "GGUF blocks are not supported yet: use the HF folder or quantization='none'")
+        order = partial_rotary_order(cfg.head_dim, rot)
+        # this rank's heads (a tensor-parallel shard holds a slice of them): q and k lead the rows; v keeps its order
+        kv_heads = lin.weight.shape[0] // cfg.head_dim * cfg.num_kv_heads // (cfg.num_heads + 2 * cfg.num_kv_heads)
+        heads = kv_heads * (cfg.num_heads // cfg.num_kv_heads + 1)
+        rows = torch.cat([h * cfg.head_dim + order for h in range(heads)])
+        for layer in self.layers:
+            w = layer.qkv_proj.weight.data
+            w[:rows.numel()] = w[rows]
+            if layer.qkv_proj.bias is not None:
+                b = layer.qkv_proj.bias.data
+                b[:rows.numel()] = b[rows]
