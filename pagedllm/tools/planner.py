@@ -57,6 +57,8 @@ PRESETS = {
 
 
 def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
+    if "text_config" in cfg:  # a multimodal checkpoint: its language model
+        cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
     heads = cfg["num_attention_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     return ModelShape(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,

@@ -181,3 +181,34 @@ def test_gemma3_from_a_gguf_as_llama_cpp_stores_it_generates_what_hf_does(tiny_m
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
+
+
+def test_the_text_tower_of_a_gemma3_multimodal_checkpoint_generates_what_hf_does(tmp_path) -> None:
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: the language model's tensors under
+    `language_model.model.`, its config under `text_config`; text in, text out."""
+    import torch
+    import transformers
+
+    from pagedllm.tools.planner import load_shape
+
+    tc = transformers.Gemma3TextConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                                       query_pre_attn_scalar=16, initializer_range=0.15)
+    vc = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(
+        transformers.Gemma3Config(text_config=tc, vision_config=vc, mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
+    assert type(llm.engine.runner.model).__name__ == "Gemma3TextTower"
+    assert load_shape(str(tmp_path)).num_layers == 3
+    prompts = [[(5 * i + 7 * j) % 300 + 1 for j in range(4 + 20 * i)] for i in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)

@@ -20,7 +20,7 @@ from ..kv_cache import KVCache
 from .config import ModelConfig
 from .llama import LlamaForCausalLM, RMSNorm, rope_inv_freq
 from .qwen3 import Qwen3DecoderLayer
-from .weight_names import Param
+from .weight_names import Linear, Param, Part
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _LLAMA = LlamaForCausalLM.WEIGHTS
@@ -105,6 +105,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             for m in self.modules():
                 if isinstance(m, RMSNorm):
                     m.weight.data += 1
+
+
+class Gemma3TextTower(Gemma3ForCausalLM):
+    """The language model of a `Gemma3ForConditionalGeneration` checkpoint (Gemma 3 4B, 12B, 27B): text in, text
+    out; the vision tower's tensors are not read (images are not supported)."""
+
+    WEIGHTS = dataclasses.replace(
+        Gemma3ForCausalLM.WEIGHTS,
+        embed=Param("embed_tokens", "language_model.model.embed_tokens", "token_embd"),
+        norm=Param("norm", "language_model.model.norm", "output_norm"),
+        lm_head=Linear("lm_head", (Part("language_model.lm_head", "output"),)),
+        hf_layer="language_model.model.layers.{}.",
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> ModelConfig:
+        text = {**raw["text_config"], "architectures": raw.get("architectures")}
+        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+            if key in raw and key not in raw["text_config"]:
+                text[key] = raw[key]
+        return super().config_from_hf(text)
 
 
 def _scaling(p: dict | None) -> dict | None:

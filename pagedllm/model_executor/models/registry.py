@@ -34,6 +34,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "Qwen3ForCausalLM": ModelEntry("qwen3:Qwen3ForCausalLM", gguf="qwen3"),
     "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3"),
     "Gemma3ForCausalLM": ModelEntry("gemma3:Gemma3ForCausalLM", gguf="gemma3"),
+    "Gemma3ForConditionalGeneration": ModelEntry("gemma3:Gemma3TextTower"),
     "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
     "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
