@@ -54,10 +54,11 @@ def make_tiny_model(arch: str, path, seed: int = 0):
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():  # norms away from their init (ones, or Gemma's zeros): their weights are exercised too
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    if arch.startswith("gemma3"):  # norms away from Gemma's zero init, so that (1 + w) is exercised
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
 
