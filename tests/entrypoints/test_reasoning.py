@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 from helpers import Server
 
@@ -38,20 +35,25 @@ def test_streamed_pieces_add_up_to_the_split() -> None:
 
 @pytest.mark.slow
 def test_the_server_returns_reasoning_content_whole_and_streamed() -> None:
-    """The default model is made to think in tags by a regex; the server splits what it wrote."""
+    """The default model is made to think in tags by a regex; the server splits what it wrote, and the official
+    openai client reads the two apart (reasoning_content as the extra field vLLM's clients read)."""
+    from openai import OpenAI
+
     server = Server(None, "--reasoning-parser", "qwen3")
     try:
-        body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 40,
-                "temperature": 0, "structured_outputs": {"regex": "<think>[a-z ]{3,20}</think>\\n\\nParis"}}
-        msg = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
-        assert msg["content"] == "Paris" and msg["reasoning_content"] and "<" not in msg["reasoning_content"]
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60)
+        kw = dict(model=client.models.list().data[0].id, max_tokens=40, temperature=0,
+                  messages=[{"role": "user", "content": "What is the capital of France?"}],
+                  extra_body={"structured_outputs": {"regex": "<think>[a-z ]{3,20}</think>\\n\\nParis"}})
+        msg = client.chat.completions.create(**kw).choices[0].message
+        thought = getattr(msg, "reasoning_content", None)
+        assert msg.content == "Paris" and thought and "<" not in thought
         reasoning, content = "", ""
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    delta = json.loads(line[6:])["choices"][0]["delta"]
-                    reasoning += delta.get("reasoning_content") or ""
-                    content += delta.get("content") or ""
-        assert content == "Paris" and reasoning.strip("\n") == msg["reasoning_content"]
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning_content", None) or ""
+                content += delta.content or ""
+        assert content == "Paris" and reasoning.strip("\n") == thought
     finally:
         assert server.stop() == 0
