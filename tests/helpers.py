@@ -101,22 +101,28 @@ def renamed_weights(hf_sd: dict, names, fmt: str, layers: int) -> dict:
     return out
 
 
+def _write_config(w, c: dict) -> None:
+    """An HF config's shared fields as `{arch}.*` metadata (Gemma 3: the global layers' rope base)."""
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_vocab_size(c["vocab_size"])
+    w.add_key_length(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    rope = c.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))
+
+
 def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
     """F32 tensors in HF's row order (no interleaved rope), the config as `{arch}.*` metadata, no tokenizer."""
     from gguf import GGUFWriter
 
     c = hf_model.config
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_vocab_size(c.vocab_size)
-    w.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+    _write_config(w, c.to_dict())
     sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     for name, t in renamed_weights(sd, names, "gguf", c.num_hidden_layers).items():
         w.add_tensor(name, t)
@@ -144,17 +150,8 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     c = json.loads((folder / "config.json").read_text())
     sd = load_file(str(folder / "model.safetensors"))
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(c["num_hidden_layers"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_vocab_size(c["vocab_size"])
-    w.add_key_length(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    _write_config(w, c)
     rope = c["rope_parameters"].get("full_attention", c["rope_parameters"])  # Gemma 3: the global layers' rope
-    w.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])

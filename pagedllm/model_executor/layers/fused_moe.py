@@ -62,6 +62,7 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # grouped by expert, tokens ascending within each
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k  # [T * top_k]
+        pick_weights = weights.flatten()  # [T * top_k]
         out = torch.zeros_like(h, dtype=torch.float32)
         lo = 0
         for e, n in enumerate(counts):
@@ -74,5 +75,5 @@ class FusedMoE(nn.Module):
             nd = int((rows < decode_rows).sum()) if decode_rows > 0 else decode_rows
             act = backend.gate_up_act(expert.gate_up_proj, h[rows], nd)  # [n, intermediate]
             y = expert.down_proj(act, nd)  # [n, hidden]
-            out.index_add_(0, rows, (y * weights.flatten()[picks].unsqueeze(1)).float())
+            out.index_add_(0, rows, (y * pick_weights[picks].unsqueeze(1)).float())
         return out

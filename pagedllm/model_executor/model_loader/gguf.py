@@ -71,6 +71,11 @@ def read_gguf_metadata(reader) -> dict:
     return meta
 
 
+def _decimal(stored: float) -> float:
+    """The shortest decimal a stored float32 stands for (1e-06, not 9.99999997e-07): HF's value, bit for bit."""
+    return float(str(np.float32(stored)))
+
+
 def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry | None = None) -> dict:
     """The HF config.json a GGUF's metadata describes."""
     arch = meta.get("general.architecture")
@@ -92,8 +97,7 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
         "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
         "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": int(g("attention.key_length", hidden // heads)),
-        # the shortest decimal the stored float32 stands for (1e-06, not 9.99999997e-07): HF's value, bit for bit
-        "rms_norm_eps": float(str(np.float32(g("attention.layer_norm_rms_epsilon", 1e-5)))),
+        "rms_norm_eps": _decimal(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 2048)),
         "tie_word_embeddings": lm_head not in tensor_names, "torch_dtype": "float32",
@@ -103,7 +107,7 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
     if g("rope.dimension_count") is not None and int(g("rope.dimension_count")) != cfg["head_dim"]:
         cfg["partial_rotary_factor"] = int(g("rope.dimension_count")) / cfg["head_dim"]
     if g("attention.clamp_kqv") is not None:
-        cfg["clip_qkv"] = float(str(np.float32(g("attention.clamp_kqv"))))
+        cfg["clip_qkv"] = _decimal(g("attention.clamp_kqv"))
     if experts:
         expert_tensor = wn.gguf_layer + wn.experts[0].parts[0].gguf + ".weight"
         cfg.update(num_experts=experts, num_experts_per_tok=int(g("expert_used_count")),
@@ -117,7 +121,7 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
     for key, hf in (("attention.sliding_window", "sliding_window"), ("final_logit_softcapping", "final_logit_softcapping"),
                     ("attn_logit_softcapping", "attn_logit_softcapping")):
         if g(key) is not None:
-            cfg[hf] = float(str(np.float32(g(key)))) if "softcapping" in key else int(g(key))
+            cfg[hf] = _decimal(g(key)) if "softcapping" in key else int(g(key))
     return reg.model_class(hf_arch).hf_config_from_gguf(cfg)
 
 
@@ -264,20 +268,20 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     def linear(lin: nn.Linear, spec: Linear, prefix: str, expert: int | None = None) -> None:
         """The parts stacked along the outputs, e.g. q, k, v (expert: slice e of the parts' 3-D tensors)."""
         parts = [(p, f"{prefix}{p.gguf}.weight") for p in spec.parts]
+        rows = [rows_of(spec, p, name) for p, name in parts]
         bias = None
         if lin.bias is not None:
-            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", rows_of(spec, p, name), expert=expert)
-                              for p, name in parts])
+            bias = torch.cat([f.dense(f"{prefix}{p.gguf}.bias", r, expert=expert) for (p, _), r in zip(parts, rows)])
         bias = row_parallel_bias(bias, spec, tp)
         cols = [cols_of(spec, name) for _, name in parts]
         in_features = lin.in_features if cols[0] is None else cols[0][1] - cols[0][0]
         fmts = [f.fmt(name) for _, name in parts]
         if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and in_features % m.block_weights == 0
                           for m in fmts):
-            stacked = [experts_packed(name, m) if expert is not None and rows_of(spec, p, name) is None and c is None
-                       else None for (p, name), m, c in zip(parts, fmts, cols)]
-            blocks = [(s[expert] if s is not None else f.blocks(name, rows_of(spec, p, name), c, expert), m)
-                      for (p, name), m, c, s in zip(parts, fmts, cols, stacked)]
+            stacked = [experts_packed(name, m) if expert is not None and r is None and c is None else None
+                       for (_, name), m, c, r in zip(parts, fmts, cols, rows)]
+            blocks = [(s[expert] if s is not None else f.blocks(name, r, c, expert), m)
+                      for (_, name), m, c, r, s in zip(parts, fmts, cols, rows, stacked)]
             prepacked = [int(f.by_name[name].shape[1]) if s is not None else None for (_, name), s in zip(parts, stacked)]
             weight = GGMLWeight(ops, blocks, in_features, bias, prepacked)
             for (_, name), repacked, s in zip(parts, weight.repacked, stacked):
@@ -289,7 +293,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
                 key = f.by_name[name].tensor_type.name
                 dequantized[key] = dequantized.get(key, 0) + 1
-        w = torch.cat([f.dense(name, rows_of(spec, p, name), c, expert) for (p, name), c in zip(parts, cols)])
+        w = torch.cat([f.dense(name, r, c, expert) for (_, name), c, r in zip(parts, cols, rows)])
         set_dense(lin, w, bias)
         if quantization not in (None, "none") and lin.quantizable:
             quantize_linear(model, ops, lin, w, bias, quantization)

@@ -8,6 +8,7 @@ row, so every linear layer runs once per step; only attention looks at sequence 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -63,14 +64,14 @@ def partial_rotary_order(head_dim: int, rot: int) -> torch.Tensor:
 
 def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = rotary_dim(cfg)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # [d / 2]
+    inv_freq = 1.0 / base
     s = cfg.rope_scaling
     if not s:
         return inv_freq
     kind = s.get("rope_type", s.get("type"))
     if kind == "longrope":  # the short factors: the context is capped at original_max_position_embeddings
-        ext = torch.tensor(s["short_factor"], dtype=torch.float32)
-        return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base)
     if kind == "linear":
         return inv_freq / s["factor"]
     if kind == "llama3":
@@ -235,13 +236,13 @@ class LlamaForCausalLM(nn.Module):
     def _linears(self) -> list[PackedLinear]:
         return [m for layer in self.layers for m in layer.modules() if isinstance(m, PackedLinear)] + [self.lm_head]
 
-    def _idle_expert_params(self) -> int:
-        """Expert weights a token does not multiply through (its router picks top_k of num_experts)."""
+    def _idle_experts(self, size: Callable[[PackedLinear], int]) -> int:
+        """The `size` (weights, bytes) of the experts a token does not multiply through: its router picks top_k
+        of num_experts in each MoE layer."""
         idle = 0
         for layer in self.layers:
             if layer.mlp is not None:
-                n = sum(lin.in_features * lin.out_features for lin in layer.mlp.experts.modules()
-                        if isinstance(lin, PackedLinear))
+                n = sum(size(lin) for lin in layer.mlp.experts.modules() if isinstance(lin, PackedLinear))
                 idle += n - n * layer.mlp.top_k // layer.mlp.num_experts
         return idle
 
@@ -267,7 +268,8 @@ class LlamaForCausalLM(nn.Module):
     def matmul_params(self) -> int:
         """Weights every token multiplies through (all linears, lm_head included, a MoE layer's routed experts
         only), however stored."""
-        return sum(lin.in_features * lin.out_features for lin in self._linears()) - self._idle_expert_params()
+        params = lambda lin: lin.in_features * lin.out_features
+        return sum(params(lin) for lin in self._linears()) - self._idle_experts(params)
 
     def step_weight_bytes(self) -> int:
         """Bytes one decode step of one sequence reads: the linears as stored (a MoE layer's routed experts
@@ -275,13 +277,7 @@ class LlamaForCausalLM(nn.Module):
         it is the tied lm_head)."""
         others = sum(p.numel() * p.element_size() for name, p in self.named_parameters()
                      if "norm" in name or name.endswith("bias"))
-        idle = 0
-        for layer in self.layers:
-            if layer.mlp is not None:
-                n = sum((lin.packed or lin.weight).nbytes for lin in layer.mlp.experts.modules()
-                        if isinstance(lin, PackedLinear))
-                idle += n - n * layer.mlp.top_k // layer.mlp.num_experts
-        return self.linear_weight_bytes() + others - idle
+        return self.linear_weight_bytes() + others - self._idle_experts(lambda lin: (lin.packed or lin.weight).nbytes)
 
     def set_ops(self, ops: Ops | None, weight_dtype: torch.dtype = torch.float32) -> None:
         """Use the C++ kernels. Dense linears are packed into column panels, fp32 or bf16 (weight_dtype),
