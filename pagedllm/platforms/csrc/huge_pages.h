@@ -1,7 +1,8 @@
 // Weight buffers on 2 MiB pages where the OS gives them (Linux transparent huge pages in `madvise` mode, the
 // common default): a decode step streams every weight once, and on 4 KiB pages the CPU's prefetchers stop at
 // each page boundary and each page costs a TLB walk. Measured on Zen 4/5, one row of x against Q4_0 repacked
-// weights: 1536 x 2048 (1.7 MB) 19 -> 25 GB/s, 6144 x 2048 28 -> 30 GB/s. Elsewhere: an ordinary allocation.
+// weights (benchmarks/huge_pages_gemv.py, two interleaved rounds): 1536 x 2048 (1.7 MB) 22.3 / 24.4 -> 24.2 / 26.4
+// GB/s, 6144 x 2048 22.8 / 25.6 -> 26.9 / 27.1 GB/s. Elsewhere: an ordinary allocation.
 #pragma once
 #include <torch/types.h>
 #if defined(__linux__)
