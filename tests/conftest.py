@@ -11,6 +11,11 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
             initializer_range=0.15, rms_norm_eps=1e-6)
 
+_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 256,
+         "rope_theta": 150000.0}
+_GPT_OSS = dict(head_dim=16, num_hidden_layers=3, sliding_window=24, num_local_experts=4, num_experts_per_tok=2,
+                intermediate_size=32)
+
 ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
@@ -44,6 +49,10 @@ ARCHS = {
         mlp_only_layers=[1])),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, clip_qkv=2.5,
                                                       eos_token_id=2, pad_token_id=1)),
+    # 3 layers: sliding (window 24), global, sliding; YaRN past 256 positions; attention sinks; clamped SwiGLU
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(_GPT_OSS, rope_parameters=dict(_YARN, truncate=False))),
+    # YaRN's ramp ends rounded to whole pairs, as llama.cpp computes it for a GGUF
+    "gpt-oss-gguf": ("GptOssConfig", "GptOssForCausalLM", dict(_GPT_OSS, rope_parameters=dict(_YARN, truncate=True))),
 }
 
 
@@ -59,6 +68,13 @@ def make_tiny_model(arch: str, path, seed: int = 0):
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(0.1 * torch.randn_like(p))
+    if arch.startswith("gpt-oss"):  # biases and sinks away from their zero init, gates past the SwiGLU clamp (7)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("bias", "sinks")):
+                    p.copy_(torch.randn_like(p) * (1.0 if "sinks" in name else 0.3))
+                elif name.endswith("gate_up_proj"):
+                    p.mul_(6.0)
     model.save_pretrained(path)
     return model
 

@@ -132,29 +132,39 @@ def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
     w.close()
 
 
-def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None, norm_shift: float = 0.0) -> None:
-    """The checkpoint of an HF folder (the tensors as saved: per-expert matrices) as a GGUF of `names`' GGUF
-    names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer. quant: a ggml
-    type name for every linear's matrix (norms, the embedding and routers stay F32)."""
+def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None, norm_shift: float = 0.0,
+                           expert_quant: str | None = None) -> None:
+    """The checkpoint of an HF folder (per-expert matrices, as the model's `hf_tensors` names them) as a GGUF of
+    `names`' GGUF names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer.
+    quant: a ggml type name for every linear's matrix (norms, biases, the embedding and routers stay F32);
+    expert_quant: the experts' type, if another."""
     import json
     from pathlib import Path
 
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
     from gguf.quants import quantize
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file
 
     from pagedllm.model_executor.model_loader.gguf import unpermute_rows
+    from pagedllm.model_executor.models.registry import default_registry
 
     folder = Path(folder)
     c = json.loads((folder / "config.json").read_text())
-    sd = load_file(str(folder / "model.safetensors"))
+    cls = default_registry().model_class(c["architectures"][0])
+    tensors = load_file(str(folder / "model.safetensors"))
+    cls.hf_tensors(tensors, cls.config_from_hf(c))
+    sd = {k: t.contiguous().numpy() for k, t in tensors.items()}
     w = GGUFWriter(str(path), arch)
     _write_config(w, c)
     rope = c["rope_parameters"].get("full_attention", c["rope_parameters"])  # Gemma 3: the global layers' rope
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if c.get("sliding_window") is not None and c.get("layer_types"):
         w.add_sliding_window(c["sliding_window"])
     if c.get("clip_qkv") is not None:
@@ -165,11 +175,11 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
         w.add_expert_used_count(c["num_experts_per_tok"])
         w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
 
-    def put(name: str, t: np.ndarray, matrix: bool) -> None:
-        if quant is None or not matrix:
+    def put(name: str, t: np.ndarray, matrix: bool, qtype: str | None = quant) -> None:
+        if qtype is None or not matrix:
             w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
             return
-        qt = GGMLQuantizationType[quant.upper()]
+        qt = GGMLQuantizationType[qtype.upper()]
         w.add_tensor(name, quantize(np.ascontiguousarray(t, dtype=np.float32), qt), raw_dtype=qt)
 
     put(names.embed.gguf + ".weight", sd[names.embed.hf + ".weight"], False)
@@ -186,13 +196,16 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
                         heads = c["num_attention_heads"] if p.rope_heads == "num_heads" else c["num_key_value_heads"]
                         t = t[np.argsort(unpermute_rows(t.shape[0], heads))]
                     put(dst + p.gguf + ".weight", t, lin.parallel != "replicated")
+                if src + p.hf + ".bias" in sd:
+                    put(dst + p.gguf + ".bias", sd[src + p.hf + ".bias"], False)
         for n in names.norms:  # norm_shift: llama.cpp's Gemma converter stores 1 + w
             put(dst + n.gguf + ".weight", sd[src + n.hf + ".weight"] + norm_shift, False)
         for lin in names.experts:
             for p in lin.parts:
-                if src + p.hf.format(e=0) + ".weight" in sd:
-                    stacked = np.stack([sd[src + p.hf.format(e=e) + ".weight"] for e in range(experts)])
-                    put(dst + p.gguf + ".weight", stacked, True)
+                for kind, matrix in ((".weight", True), (".bias", False)):
+                    if src + p.hf.format(e=0) + kind in sd:
+                        stacked = np.stack([sd[src + p.hf.format(e=e) + kind] for e in range(experts)])
+                        put(dst + p.gguf + kind, stacked, matrix, expert_quant or quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -116,9 +116,27 @@ def build_decode_mask(ctx_lens: list[int], width: int, sliding_window: int | Non
     return mask.view(len(ctx_lens), 1, 1, width)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scale: float,
+         sinks: torch.Tensor | None) -> torch.Tensor:
+    """SDPA with grouped KV heads; q [B, H, L, D], k and v [B, KVH, S, D]. sinks [H]: each head's attention sink,
+    one more logit in the softmax with no value (gpt-oss), which SDPA has no argument for: spelled out then."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, L, S]
+    if is_causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)  # [B, H, L, 1]
+    p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+    return (p.to(v.dtype) @ v).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] of the new tokens. Returns [T, H, D]."""
+                    meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] of the new tokens; sinks [H] fp32 or None. Returns [T, H, D]."""
     cache.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     p = meta.paged
@@ -126,20 +144,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         n = p.num_rows
         k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
         meta.op(out[:n], q[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
-                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut)
+                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
     elif meta.num_decodes:
         nd = meta.num_decodes
         kc, vc = cache.gather(meta.decode_block_tables)  # [B, L, KVH, D]
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),  # q: [B, H, 1, D]
-            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)  # [B, H, 1, D]
+        o = sdpa(q[:nd].unsqueeze(2), kc.transpose(1, 2), vc.transpose(1, 2),  # q: [B, H, 1, D]
+                 meta.decode_mask, False, scale, sinks)  # [B, H, 1, D]
         out[:nd] = o.squeeze(2)
-    _attend_prefills(q, k, v, cache, meta, scale, out)
+    _attend_prefills(q, k, v, cache, meta, scale, out, sinks)
     return out
 
 
 def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
-                       cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                       cache: KVCache, meta: AttentionMetadata, scale: float,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The C++ path from a layer's fused qkv [T, (H + 2 KVH) D]: rope, the K/V write and the paged rows in
     one call where the pool stores K/V as computed (fp32, bf16; an fp8 pool is written by its cache), then
     SDPA for fresh prompts. cos, sin: [T, D / 2]. Returns [T, H, D]."""
@@ -151,20 +169,20 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
 
     if meta.op is None or cache.lossy:
         ops.rope_(qkv, cos, sin, num_heads + kvh, d)
-        return paged_attention(*heads(), cache, meta, scale)
+        return paged_attention(*heads(), cache, meta, scale, sinks)
     p = meta.paged
     rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
     c = meta.chunks
     chunks = (c.block_tables, c.q_start, c.q_len, c.ctx_len, c.scratch) if c else (None,) * 5
     out = ops.attention_qkv(qkv, cos, sin, cache.k, cache.v, meta.slot_mapping, num_heads, rows, *tables, scale,
-                            meta.sliding_window or 0, *chunks)
+                            meta.sliding_window or 0, *chunks, sinks)
     if meta.prefills and c is None:
-        _attend_prefills(*heads(), cache, meta, scale, out)
+        _attend_prefills(*heads(), cache, meta, scale, out, sinks)
     return out
 
 
 def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-                     scale: float, out: torch.Tensor) -> None:
+                     scale: float, out: torch.Tensor, sinks: torch.Tensor | None) -> None:
     """SDPA for the rows of meta.prefills (their K/V already in the pool), into out."""
     for s in meta.prefills:
         sl = slice(s.q_start, s.q_start + s.q_len)
@@ -176,9 +194,8 @@ def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
         else:
             ks, vs = cache.gather(s.block_table.unsqueeze(0))
             ks, vs = ks[0, :s.ctx_len], vs[0, :s.ctx_len]  # [ctx_len, KVH, D]
-        o = F.scaled_dot_product_attention(
-            qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0),
-            attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=True)
+        o = sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), s.mask, s.mask is None, scale,
+                 sinks)
         out[sl] = o[0].transpose(0, 1)
 
 

@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 
 from pagedllm.platforms.cpu import load_ops  # noqa: E402
 
-FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def random_blocks(t: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
     """[rows, row_bytes] uint8: gguf-py's quantizer where it has one, else random bytes with finite
     fp16 scales (every bit pattern of a K-quant block's quants and 6-bit scales is a valid block)."""
     rng = np.random.default_rng(seed)
-    if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+    if t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4):
         return quantize(rng.standard_normal((rows, k)).astype(np.float32) * 0.05, t)
     qk, nbytes = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(rows, k // qk, nbytes), dtype=np.uint8)
@@ -159,7 +159,7 @@ def test_fallback_isa_paths(ops_avx2) -> None:
     mod = ops_avx2
     assert mod.linear_ggml_isa == "avx2" and not mod.ggml_repacks(int(T.Q4_0))
     k = 512
-    for t in (T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K):
+    for t in (T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4):
         raw = random_blocks(t, 40, k, seed=int(t))
         w = torch.from_numpy(dequantize(raw, t).reshape(40, k)).double()
         assert torch.equal(mod.dequantize_ggml(torch.from_numpy(raw), int(t), k, 40, None), w.float())

@@ -212,3 +212,30 @@ def test_the_text_tower_of_a_gemma3_multimodal_checkpoint_generates_what_hf_does
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+
+
+def test_gpt_oss_from_a_gguf_generates_what_hf_does_and_runs_mxfp4_experts_as_stored(tiny_models, tmp_path) -> None:
+    """`gpt-oss`: attention biases and sinks, the router's and experts' biases, the sliding-window pattern and the
+    SwiGLU constants as llama.cpp fixes them, YaRN from the metadata. F32 gives HF's greedy tokens; experts in
+    MXFP4 (as OpenAI released them) run in their blocks and track the same file dequantized."""
+    from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
+    from pagedllm.tools.evaluate import compare_to_reference
+
+    folder, hf = tiny_models["gpt-oss-gguf"]
+    path = tmp_path / "gpt-oss.gguf"
+    write_gguf_from_folder(folder, path, "gpt-oss", GptOssForCausalLM.WEIGHTS)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert type(model) is GptOssForCausalLM and [lay.sliding_window for lay in model.layers] == [24, None, 24]
+    prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 20 * i)] for i in range(3)]  # past the window
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
+    mx = tmp_path / "mxfp4.gguf"
+    write_gguf_from_folder(folder, mx, "gpt-oss", GptOssForCausalLM.WEIGHTS, expert_quant="mxfp4")
+    native = LLM(model=str(mx), dtype="float32", num_kv_blocks=64)
+    assert native.engine.runner.model.weight_format == "f32+mxfp4"  # no dequantized copy of the experts
+    ref = LLM(model=str(mx), dtype="float32", num_kv_blocks=64, quantization="none")
+    ids = [(i * 37 + i * i * 11) % hf.config.vocab_size for i in range(200)]
+    r = compare_to_reference(ref.engine, native.engine, ids, chunk=50)
+    assert r["mean_kl"] < 0.015 and r["top1_agreement"] > 0.93, r  # int8 activations (and the routing they flip)

@@ -14,7 +14,8 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.engine.llm_engine import LLMEngine
 
-ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe", "olmoe"]
+ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe", "olmoe",
+         "gpt-oss"]
 PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]
 
 

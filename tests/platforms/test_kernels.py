@@ -18,20 +18,26 @@ def ops():
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                  pool: torch.dtype) -> torch.Tensor:
+                  pool: torch.dtype, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [1, H, L, D], k and v [1, KVH, S, D] as the pool holds them; mask [1, 1, L, S] or None (causal).
     Over a bf16 pool the kernels' math: q and p rounded to bf16, p = exp(s - the exact max), divided by
-    the sum of unrounded p, in float64 here; otherwise SDPA."""
-    if pool != torch.bfloat16:
+    the sum of unrounded p, in float64 here; otherwise SDPA (in float64 where sinks [H] add each head's logit to
+    the softmax's denominator)."""
+    if pool != torch.bfloat16 and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     g = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    s = q.bfloat16().double() @ k.transpose(-1, -2) * scale  # [1, H, L, S]
+    rounded = pool == torch.bfloat16
+    s = (q.bfloat16() if rounded else q).double() @ k.transpose(-1, -2) * scale  # [1, H, L, S]
     if mask is None:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril(s.shape[-1] - s.shape[-2])
-    e = torch.exp(s.masked_fill(~mask, float("-inf")) - s.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True))
-    return ((e.bfloat16().double() @ v) / e.sum(-1, keepdim=True)).float()
+    m = s.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)  # [1, H, L, 1]
+    e = torch.exp(s.masked_fill(~mask, float("-inf")) - m)
+    total = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sinks.double().view(1, -1, 1, 1) - m)
+    return (((e.bfloat16() if rounded else e).double() @ v) / total).float()
 
 
 def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, pool: torch.dtype) -> None:
@@ -429,6 +435,56 @@ def test_shared_prefix_rows_attend_it_once(ops, heads: int, kv_heads: int, d: in
     assert_attention_close(out, ref, torch.bfloat16)
     assert_attention_close(alone, ref, torch.bfloat16)
     assert_attention_close(out, alone, torch.bfloat16)
+
+
+@pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
+def test_attention_sinks_on_every_path(ops, pool: torch.dtype) -> None:
+    """Attention sinks (a logit per head in the softmax's denominator): rows one at a time (many rows), a row
+    alone split across the threads, the chunk kernel (bf16 pools) and, over a bf16 pool, rows grouped by a
+    shared prefix, each against the float64 reference; sinks of -1e4 leave the plain result."""
+    heads, kv_heads, d, bs, window = 8, 2, 64, 16, 0
+    g = torch.Generator().manual_seed(7)
+    shared = 4  # blocks of a prefix the first 30 sequences hold in common
+    seqs = [(1, shared * bs + 1 + i) for i in range(30)] + [(9, 300), (1, 700)]  # (q_len, ctx_len)
+    perm = torch.randperm(shared + sum(-(-c // bs) for _, c in seqs), generator=g).tolist()
+    free = iter(perm[shared:])
+    tables = [(perm[:shared] if i < 30 else []) + [next(free) for _ in range(-(-c // bs) - (shared if i < 30 else 0))]
+              for i, (_, c) in enumerate(seqs)]
+    bt = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    q_len, ctx = torch.tensor([n for n, _ in seqs]), torch.tensor([c for _, c in seqs])
+    q_start = torch.cumsum(q_len, 0) - q_len
+    row_seq = torch.repeat_interleave(torch.arange(len(seqs)), q_len)
+    k_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).to(pool)
+    v_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).to(pool)
+    q = torch.randn(int(q_len.sum()), heads, d, generator=g) * 2
+    sinks = torch.randn(heads, generator=g) * 3
+    if pool == torch.bfloat16:
+        assert ops.shared_prefix_groups(bt, row_seq, q_len, ctx, bs, heads // kv_heads)  # the grouped path runs
+    refs = []
+    for s, (n, c) in enumerate(seqs):
+        k, v = (p[bt[s]].reshape(-1, kv_heads, d)[:c].transpose(0, 1).unsqueeze(0) for p in (k_pool, v_pool))
+        mask = torch.arange(c).unsqueeze(0) <= torch.arange(c - n, c).unsqueeze(1)
+        qs = q[q_start[s]:q_start[s] + n].transpose(0, 1).unsqueeze(0)
+        refs.append(attention_ref(qs, k, v, mask.view(1, 1, n, c), d ** -0.5, pool, sinks)[0].transpose(0, 1))
+    ref = torch.cat(refs)
+    out = torch.zeros_like(q)
+    args = (k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None)
+    ops.paged_attention(out, q, *args, sinks)
+    assert_attention_close(out, ref, pool)
+    alone = torch.zeros_like(q[-1:])
+    ops.paged_attention(alone, q[-1:], k_pool, v_pool, bt[-1:], torch.tensor([0]), torch.tensor([0]), torch.tensor([1]),
+                        ctx[-1:], d ** -0.5, window, None, None, None, sinks)
+    assert_attention_close(alone, ref[-1:], pool)
+    plain, gone = torch.zeros_like(q), torch.zeros_like(q)
+    ops.paged_attention(plain, q, *args)
+    ops.paged_attention(gone, q, *args, torch.full((heads,), -1e4))
+    assert torch.equal(plain, gone) and not torch.allclose(plain, out, atol=1e-3)
+    if pool == torch.bfloat16:
+        chunk = torch.zeros_like(q)
+        rows = slice(int(q_start[30]), int(q_start[30] + q_len[30]))
+        ops.attend_chunks(chunk, q, k_pool, v_pool, bt[30:31], q_start[30:31], q_len[30:31], ctx[30:31], d ** -0.5,
+                          window, torch.empty(0, dtype=torch.uint8), sinks)
+        assert_attention_close(chunk[rows], ref[rows], pool)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ the oracle the kernels are tested against). The model never branches on which on
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def glu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated activation: gate clamped from above and up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        return (up.clamp(-self.limit, self.limit) + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+
+Activation = str | ClampedSwiGLU  # "silu" (SwiGLU), "gelu_tanh" (GeGLU, tanh approximation)
+
+
+def glu(gate_up: torch.Tensor, act: Activation) -> torch.Tensor:
     """[T, 2 I] (gate | up) -> act(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if isinstance(act, ClampedSwiGLU):
+        return act(gate, up)
     if act == "silu":
         return F.silu(gate) * up
     if act == "gelu_tanh":
@@ -73,8 +92,10 @@ class TorchReference(_QKNorm):
         return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
 
     def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """qkv: [T, (H + 2 KVH) D] -> [T, H, D]: rope, the K/V write, attention over the pool."""
+                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv: [T, (H + 2 KVH) D] -> [T, H, D]: rope, the K/V write, attention over the pool (sinks [H] fp32:
+        each head's attention sink, or None)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         q = q.view(t, num_heads, head_dim)
@@ -82,9 +103,10 @@ class TorchReference(_QKNorm):
         v = v.view(t, num_kv_heads, head_dim)
         q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
         k = k * cos + rotate_half(k) * sin
-        return paged_attention(q, k, v, cache, meta, scale)
+        return paged_attention(q, k, v, cache, meta, scale, sinks)
 
-    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int, act: str = "silu") -> torch.Tensor:
+    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int,
+                    act: Activation = "silu") -> torch.Tensor:
         """act(gate) * up of the fused gate_up projection: [T, intermediate]. act: silu (SwiGLU) or gelu_tanh
         (GeGLU with the tanh approximation: Gemma)."""
         out = gate_up(h) if gate_up.packed is None else gate_up.packed.matmul(h, decode_rows)
@@ -135,20 +157,24 @@ class CpuKernels(_QKNorm):
         return cos[positions, :half], sin[positions, :half]
 
     def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return attention_from_qkv(self.ops, qkv, cos, sin, num_heads, cache, meta, scale)  # [T, H, D]
+                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return attention_from_qkv(self.ops, qkv, cos, sin, num_heads, cache, meta, scale, sinks)  # [T, H, D]
 
-    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int, act: str = "silu") -> torch.Tensor:
+    def gate_up_act(self, gate_up: nn.Linear, h: torch.Tensor, decode_rows: int,
+                    act: Activation = "silu") -> torch.Tensor:
         if act == "silu":  # every linear is packed with the kernels
             return gate_up.packed.matmul_silu_and_mul(h, decode_rows)
         return glu(gate_up.packed.matmul(h, decode_rows), act)
 
 
 def _ggml_expert_args(moe: nn.Module) -> tuple | None:
-    """moe_ggml's weight lists for a layer whose experts are all GGML weights with the same number of gate_up
-    parts and no biases; None otherwise."""
+    """moe_ggml's weight lists for a SwiGLU layer whose experts are all GGML weights with the same number of
+    gate_up parts and no biases; None otherwise."""
     from .weight_formats import GGMLWeight
 
+    if moe.act != "silu":
+        return None
     gu = [e.gate_up_proj.packed for e in moe.experts]
     dn = [e.down_proj.packed for e in moe.experts]
     if not all(isinstance(w, GGMLWeight) and w.bias is None for w in gu + dn):

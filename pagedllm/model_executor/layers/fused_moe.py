@@ -14,24 +14,26 @@ import torch
 from torch import nn
 
 from ...distributed import TPGroup
+from .backends import Activation
 from .linear import PackedLinear
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, 2 * intermediate_size)
-        self.down_proj = PackedLinear(intermediate_size, hidden_size)
+        self.gate_up_proj = PackedLinear(hidden_size, 2 * intermediate_size, bias)
+        self.down_proj = PackedLinear(intermediate_size, hidden_size, bias)
 
 
 class FusedMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, bias: bool = False, act: Activation = "silu") -> None:
+        """bias: the router and the experts' linears have biases (gpt-oss); act: the experts' gated activation."""
         super().__init__()
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.gate = PackedLinear(hidden_size, num_experts)  # the router
+        self.num_experts, self.top_k, self.renormalize, self.act = num_experts, top_k, renormalize, act
+        self.gate = PackedLinear(hidden_size, num_experts, bias)  # the router
         self.gate.quantizable = False  # routing decides which weights run at all: it stays in the run dtype
-        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, bias) for _ in range(num_experts))
         self.reduce: TPGroup | None = None
 
     def route(self, h: torch.Tensor, decode_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +75,7 @@ class FusedMoE(nn.Module):
             lo += n
             expert = self.experts[e]
             nd = int((rows < decode_rows).sum()) if decode_rows > 0 else decode_rows
-            act = backend.gate_up_act(expert.gate_up_proj, h[rows], nd)  # [n, intermediate]
+            act = backend.gate_up_act(expert.gate_up_proj, h[rows], nd, self.act)  # [n, intermediate]
             y = expert.down_proj(act, nd)  # [n, hidden]
             out.index_add_(0, rows, (y * pick_weights[picks].unsqueeze(1)).float())
         return out

@@ -19,7 +19,7 @@ from ...tokenizer import Tokenizer
 from ..layers.weight_formats import quantize
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
-from ..models.weight_names import Linear, Part, WeightNames, has_module, piece_sizes
+from ..models.weight_names import Linear, Param, Part, WeightNames, has_module, piece_sizes
 
 log = logging.getLogger("pagedllm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,6 +90,18 @@ def layer_linears(names: WeightNames, layer: nn.Module) -> list[tuple[Linear, in
     if experts is not None:
         specs += [(spec, e) for e in range(experts.num_experts) for spec in names.expert_linears(e)]
     return specs
+
+
+def set_param(owner: nn.Module, spec: Param, w: torch.Tensor, tp: TPGroup | None) -> None:
+    """A loaded tensor into its place: a module's weight, or a parameter of `owner` itself; cut to this rank's
+    heads where it has one value per head."""
+    if spec.heads and tp is not None:
+        w = w[slice(*tp.span(w.shape[0]))]
+    w = nn.Parameter(w, requires_grad=False)
+    if has_module(owner, spec.attr):
+        owner.get_submodule(spec.attr).weight = w
+    else:
+        setattr(owner, spec.attr, w)
 
 
 def set_dense(lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -35,6 +35,7 @@ from .base import (
     resolve_dtype,
     row_parallel_bias,
     set_dense,
+    set_param,
     shard_cols,
     shard_rows,
     use_kernels,
@@ -118,6 +119,11 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
             cfg["norm_topk_prob"] = bool(g("expert_weights_norm"))
     if g("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    elif g("rope.scaling.type") == "yarn":  # llama.cpp rounds the ramp's ends to whole pairs (HF's truncate)
+        cfg["rope_scaling"] = {"rope_type": "yarn", "factor": _decimal(g("rope.scaling.factor")), "truncate": True,
+                               "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
+                               "beta_fast": _decimal(g("rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": _decimal(g("rope.scaling.yarn_beta_slow", 1.0))}
     for key, hf in (("attention.sliding_window", "sliding_window"), ("final_logit_softcapping", "final_logit_softcapping"),
                     ("attn_logit_softcapping", "attn_logit_softcapping")):
         if g(key) is not None:
@@ -288,6 +294,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
                 if repacked and s is None:
                     f.release(name, expert)
             model.set_packed(lin, weight)
+            if bias is not None:  # the packed weight adds it; the module keeps it as the checkpoint's tensor
+                lin.bias = nn.Parameter(bias, requires_grad=False)
             return
         for (_, name), m in zip(parts, fmts):
             if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
@@ -328,7 +336,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         for spec, expert in layer_linears(wn, layer):
             linear(layer.get_submodule(spec.attr), spec, prefix, expert)
         for n in wn.norms:
-            param(getattr(layer, n.attr), f"{prefix}{n.gguf}.weight")
+            set_param(layer, n, f.dense(f"{prefix}{n.gguf}.weight"), tp)
     for kind, n in dequantized.items():
         log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
                     str(tdtype).removeprefix("torch."))

@@ -23,6 +23,7 @@ from .base import (
     resolve_dtype,
     row_parallel_bias,
     set_dense,
+    set_param,
     shard_cols,
     shard_rows,
     use_kernels,
@@ -44,6 +45,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     cfg = cls.config_from_hf(raw)
     tdtype = resolve_dtype(dtype, raw)
     sd = _read_weights(path)
+    cls.hf_tensors(sd, cfg)
 
     def take(name: str) -> torch.Tensor:
         if name not in sd:
@@ -87,7 +89,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         for spec, _ in layer_linears(names, layer):
             linear(layer, spec, prefix)
         for n in names.norms:
-            param(layer, n.attr, f"{prefix}{n.hf}.weight")
+            set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), tp)
     sd.clear()  # the loaded tensors now belong to the model (or were cut from)
     check_complete(model, path)
     model.after_load("hf")

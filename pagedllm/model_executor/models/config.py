@@ -41,6 +41,8 @@ class ModelConfig:
     rope_by_layer_type: dict | None = None  # kind -> {"rope_theta": ..., "rope_scaling": ... or None}
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
     final_logit_softcapping: float | None = None
+    swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU
+    swiglu_limit: float = 7.0
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers

@@ -19,7 +19,7 @@ from ...errors import ModelLoadError
 from ...platforms.cpu import Ops
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
-from ..layers.backends import Backend, TorchReference, backend_for
+from ..layers.backends import Activation, Backend, TorchReference, backend_for
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
 from ..layers.weight_formats import GGMLWeight, PackedWeight
@@ -43,13 +43,40 @@ def rope_attention_scale(cfg: ModelConfig) -> torch.Tensor:
     """[head_dim / 2] multiplier of the cos / sin tables: LongRoPE's attention factor on the rotary pairs only."""
     s, n_rot = cfg.rope_scaling or {}, rotary_dim(cfg) // 2
     scale = torch.ones(cfg.head_dim // 2)
-    if s.get("rope_type", s.get("type")) == "longrope":
+    kind = s.get("rope_type", s.get("type"))
+    if kind in ("longrope", "yarn"):
         factor = s.get("factor") or cfg.max_position_embeddings / s["original_max_position_embeddings"]
         attention = s.get("attention_factor")
-        if attention is None:
+        if attention is None and kind == "longrope":
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+        elif attention is None:
+            attention = _yarn_mscale(factor, s.get("mscale") or 1) / _yarn_mscale(factor, s.get("mscale_all_dim") or 1) \
+                if s.get("mscale") and s.get("mscale_all_dim") else _yarn_mscale(factor)
         scale[:n_rot] = attention
     return scale
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(s: dict, d: int, theta: float, base: torch.Tensor) -> torch.Tensor:
+    """YaRN: the high-frequency pairs (more than beta_fast turns over the original context) keep their frequency,
+    the low ones (under beta_slow turns) are divided by the factor, a linear ramp in between."""
+    factor, orig = s["factor"], s["original_max_position_embeddings"]
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def pair_of(turns: float) -> float:  # the (fractional) pair index that turns `turns` times over orig positions
+        return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = pair_of(fast), pair_of(slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, d - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # [d / 2]: 0 keep, 1 scale
+    return (1.0 / (factor * base)) * ramp + (1.0 / base) * (1 - ramp)
 
 
 def partial_rotary_order(head_dim: int, rot: int) -> torch.Tensor:
@@ -74,6 +101,8 @@ def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base)
     if kind == "linear":
         return inv_freq / s["factor"]
+    if kind == "yarn":
+        return _yarn_inv_freq(s, d, cfg.rope_theta, base)
     if kind == "llama3":
         factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
         old_len = s.get("original_max_position_embeddings", 8192)
@@ -84,7 +113,7 @@ def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, longrope)")
+    raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, longrope, yarn)")
 
 
 class RMSNorm(nn.Module):
@@ -119,7 +148,8 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.sliding_window = cfg.sliding_window  # None: attends to every earlier token
         self.rope_key = "default"  # which of the model's rope tables this layer reads
-        self.act = "silu"  # the gated MLP's activation (SwiGLU)
+        self.act: Activation = "silu"  # the gated MLP's activation (SwiGLU)
+        self.sinks: torch.Tensor | None = None  # [H] fp32: each head's attention sink (gpt-oss)
         self.backend: Backend = TorchReference()
 
     def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
@@ -139,7 +169,7 @@ class DecoderLayer(nn.Module):
         nd = meta.num_decode_rows  # the leading rows compute output tokens: a weight format may choose its path by them
         qkv = self.project_qkv(h, nd)  # [T, q_size + 2 * kv_size]
         a = self.backend.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
-                                   self.scale)  # [T, H, D]
+                                   self.scale, self.sinks)  # [T, H, D]
         return self.o_proj(a.view(h.shape[0], self.q_size), nd)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -175,6 +205,11 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def config_from_hf(cls, raw: dict) -> ModelConfig:
         return ModelConfig.from_hf(raw)
+
+    @classmethod
+    def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+        """An HF checkpoint's tensors (in place), as the weight map names them: a family whose checkpoints
+        stack tensors otherwise (gpt-oss: all experts in one) renames or slices them here, as views."""
 
     @classmethod
     def hf_config_from_gguf(cls, cfg: dict) -> dict:

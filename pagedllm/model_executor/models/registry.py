@@ -38,6 +38,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
     "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
+    "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True),
 }
 
 

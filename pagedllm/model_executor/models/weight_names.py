@@ -52,11 +52,13 @@ class Linear:
 
 @dataclass(frozen=True)
 class Param:
-    """A tensor loaded as it is (a norm's weight, the embedding table)."""
+    """A tensor loaded as it is (a norm's weight, the embedding table): `attr` names a module (its weight) or a
+    parameter of the layer (gpt-oss's attention sinks)."""
 
     attr: str
     hf: str
     gguf: str
+    heads: bool = False  # one value per query head: each rank keeps its heads' under tensor parallelism
 
 
 @dataclass(frozen=True)

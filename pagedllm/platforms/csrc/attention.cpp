@@ -150,6 +150,10 @@ struct Item {  // one query row's keys [lo, hi) and where its per-head (max, sum
   float* scores = nullptr;
 };
 
+// A head's attention sink (gpt-oss): one more logit in the softmax's denominator, with no value; its weight
+// against the max m the row's sums were taken from (0 without sinks)
+inline float sink_weight(const float* sinks, int64_t h, float m) { return sinks ? std::exp(sinks[h] - m) : 0.f; }
+
 inline int64_t score_ld(int64_t n) { return (n + 15) / 16 * 16 + 16; }  // + one store of slack
 
 struct Scratch {
@@ -478,7 +482,8 @@ std::vector<PrefixGroup> prefix_groups(int64_t T, const int64_t* rs, const int64
 template <class Keys>
 void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t T, int64_t H, int64_t KVH, int64_t D,
                     const Pool& K, const Pool& V, int64_t BS, float scale, const torch::Tensor& k_cache,
-                    const torch::Tensor& v_cache, const torch::Tensor& q, float* op, Keys&& keys, ItemFn fn) {
+                    const torch::Tensor& v_cache, const torch::Tensor& q, float* op, Keys&& keys, ItemFn fn,
+                    const float* sinks) {
   const float* qp = q.data_ptr<float>();
   const int64_t q_stride = q.stride(0), G = H / KVH, rows_per = slice_rows(G), NG = static_cast<int64_t>(groups.size());
   std::vector<int64_t> key_off(NG * KVH + 1, 0);
@@ -522,7 +527,7 @@ void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t T, int64_t H
         it.table = keys(r, &it.lo, &it.hi);
         fn(it, H, KVH, K, V, BS, scale, s);
         for (int64_t h = 0; h < H; ++h) {
-          const float inv = 1.f / sum[h];
+          const float inv = 1.f / (sum[h] + sink_weight(sinks, h, mx[h]));
           for (int64_t d = 0; d < D; ++d) it.acc[h * D + d] *= inv;
         }
         continue;
@@ -568,7 +573,7 @@ void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t T, int64_t H
         }
         float* o = op + rows[i] * H * D;
         for (int64_t h = 0; h < H; ++h) {
-          const float inv = 1.f / (sum[i * H + h] + (has_own ? it.sum[h] : 0.f));
+          const float inv = 1.f / (sum[i * H + h] + (has_own ? it.sum[h] : 0.f) + sink_weight(sinks, h, mx[i * H + h]));
           for (int64_t d = 0; d < D; ++d) o[h * D + d] = (o[h * D + d] + (has_own ? it.acc[h * D + d] : 0.f)) * inv;
         }
       }
@@ -581,7 +586,8 @@ void attend_grouped(const std::vector<PrefixGroup>& groups, int64_t T, int64_t H
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor ctx_len, double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
-                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> lut) {
+                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> lut,
+                     c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: K and V pools must be contiguous and of one dtype");
   const auto dt = k_cache.scalar_type();
@@ -607,6 +613,9 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     K.scale = reinterpret_cast<const uint16_t*>(k_scale->data_ptr());
     V.scale = reinterpret_cast<const uint16_t*>(v_scale->data_ptr());
   }
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H),
+              "paged_attention: sinks must be fp32 [H]");
+  const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
@@ -626,7 +635,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     // bf16 pools: the shared keys in the chunk kernel's math, which rounds as this pool's decode op does
     std::vector<PrefixGroup> groups;
     if (dtype == 1 && window == 0 && D % 8 == 0) groups = prefix_groups(T, rs, ql, cl, bt, MAXB, BS, H / KVH);
-    attend_grouped(groups, T, H, KVH, D, K, V, BS, fscale, k_cache, v_cache, q, op, keys, fn);
+    attend_grouped(groups, T, H, KVH, D, K, V, BS, fscale, k_cache, v_cache, q, op, keys, fn, sk);
     return;
   }
   // Fewer rows than threads (one stream decoding): each row's keys in ranges of at least 128, one item
@@ -694,7 +703,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
         const float* pa = part_acc.data() + (item * H + h) * D;
         for (int64_t d = 0; d < D; ++d) orow[h * D + d] += w * pa[d];
       }
-      const float inv = 1.f / l;
+      const float inv = 1.f / (l + sink_weight(sk, h, m));
       for (int64_t d = 0; d < D; ++d) orow[h * D + d] *= inv;
     }
   }
@@ -732,7 +741,7 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> ctx_len, double scale, int64_t window,
                             c10::optional<torch::Tensor> chunk_tables, c10::optional<torch::Tensor> chunk_q_start,
                             c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
-                            c10::optional<torch::Tensor> chunk_scratch) {
+                            c10::optional<torch::Tensor> chunk_scratch, c10::optional<torch::Tensor> sinks) {
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && v_cache.scalar_type() == dt &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -777,13 +786,13 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                 "attention_qkv: paged rows need their block tables and lengths");
     const auto q = qkv.narrow(1, 0, H * D).view({T, H, D}).narrow(0, 0, num_paged);  // [n, H, D], rows strided
     paged_attention(out.narrow(0, 0, num_paged), q, k_cache, v_cache, *block_tables, *row_seq, *q_start, *q_len,
-                    *ctx_len, scale, window, c10::nullopt, c10::nullopt, c10::nullopt);
+                    *ctx_len, scale, window, c10::nullopt, c10::nullopt, c10::nullopt, sinks);
   }
   if (chunk_tables) {
     TORCH_CHECK(chunk_q_start && chunk_q_len && chunk_ctx_len && chunk_scratch,
                 "attention_qkv: chunks need their lengths and a scratch tensor");
     attend_chunks(out, qkv.narrow(1, 0, H * D).view({T, H, D}), k_cache, v_cache, *chunk_tables, *chunk_q_start,
-                  *chunk_q_len, *chunk_ctx_len, scale, window, *chunk_scratch);
+                  *chunk_q_len, *chunk_ctx_len, scale, window, *chunk_scratch, sinks);
   }
   return out;
 }

@@ -5,11 +5,13 @@
 #include <vector>
 
 // out[:T] = attention of q's T rows over the paged pool (attention.cpp); k_scale, v_scale [NB, BS, KVH]
-// bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8)
+// bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8); sinks [H] fp32: each head's attention
+// sink (a logit in the softmax's denominator with no value: gpt-oss), or none
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
                      torch::Tensor ctx_len, double scale, int64_t window, c10::optional<torch::Tensor> k_scale,
-                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> lut);
+                     c10::optional<torch::Tensor> v_scale, c10::optional<torch::Tensor> lut,
+                     c10::optional<torch::Tensor> sinks);
 
 // Rotary embedding (rotate-half) in place on the leading num_heads heads of each qkv row; cos, sin [T, D/2]
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
@@ -26,7 +28,7 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> ctx_len, double scale, int64_t window,
                             c10::optional<torch::Tensor> chunk_tables, c10::optional<torch::Tensor> chunk_q_start,
                             c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
-                            c10::optional<torch::Tensor> chunk_scratch);
+                            c10::optional<torch::Tensor> chunk_scratch, c10::optional<torch::Tensor> sinks);
 
 // Prefill chunks over a bf16 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i] rows from
 // q_start[i] are the last of its ctx_len[i] positions, its keys in the blocks of block_tables[i]; writes
@@ -34,7 +36,7 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
 // same one to every layer of a step: its pages are touched once)
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
-                   double scale, int64_t window, torch::Tensor scratch);
+                   double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks);
 
 // Keys [0, P) of one KV head that the rows of several sequences share (the same blocks in their tables),
 // gathered once (attention_chunks.cpp) into a buffer of shared_keys_bytes: K rows [P + 32, D], V as key pairs

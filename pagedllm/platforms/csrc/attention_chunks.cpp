@@ -175,7 +175,7 @@ void attend_lanes(const Chunk& c, const Lanes& ln, Row&& row, int64_t G, int64_t
 
 // One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
 void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
-            float scale, int64_t window, float* out, const Work& w) {
+            float scale, int64_t window, const float* sinks, float* out, const Work& w) {
   const int64_t rows_per = NL / G, rows = std::min(rows_per, c.q_len - r0), lanes = rows * G;
   alignas(64) int32_t hi[NL], lo[NL];
   int64_t klo = c.ctx, khi = 0;
@@ -189,7 +189,8 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   attend_lanes(c, Lanes{lanes, kh, klo, khi, lo, hi, nullptr}, [&](int64_t i) { return c.q_start + r0 + i; }, G, D, q,
                q_stride, scale, w, mx, sum);
   for (int64_t l = 0; l < lanes; ++l) {
-    const float inv = 1.f / (sum[l] > 0.f ? sum[l] : 1.f);
+    const float total = sum[l] + (sinks ? std::exp(sinks[kh * G + l % G] - mx[l]) : 0.f);  // + the head's sink
+    const float inv = 1.f / (total > 0.f ? total : 1.f);
     float* o = out + ((c.q_start + r0 + l / G) * H + kh * G + l % G) * D;
     for (int64_t d = 0; d < D; ++d) o[d] = w.ot[d * NL + l] * inv;
   }
@@ -215,7 +216,7 @@ void gather(const uint16_t* kpool, const uint16_t* vpool, const int64_t* table, 
 
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
-                   double scale, int64_t window, torch::Tensor scratch) {
+                   double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16 &&
                   k_cache.is_contiguous() && v_cache.is_contiguous(),
               "attend_chunks: the pools must be contiguous bf16");
@@ -225,6 +226,9 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "attend_chunks: q rows must hold their heads contiguously");
   TORCH_CHECK(H % KVH == 0 && H / KVH <= NL && k_cache.size(3) == D, "attend_chunks: heads and pool do not match");
   TORCH_CHECK(D % KT == 0, "attend_chunks: head_dim must be a multiple of ", KT);
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H),
+              "attend_chunks: sinks must be fp32 [H]");
+  const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
   const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0), row = KVH * D;
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
@@ -279,7 +283,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
     const Work w = work_at(work + wid * per_worker, max_keys, D);
     for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
       const Item& it = items[i];
-      attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, op, w);
+      attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, sk, op, w);
     }
   });
 }

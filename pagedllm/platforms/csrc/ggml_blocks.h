@@ -2,8 +2,8 @@
 // format in the spirit of ggml's type traits. Every format is decoded in chunks of 32 weights:
 //   w[i] = d[i / 16] * q[i] + m[i / 16]     (i in 0..31; q unsigned 0..63, or int8 for Q8_0)
 // so the linear has one dot-product loop for all of them: the two half-chunk scales differ only for
-// Q6_K (16-weight sub-blocks); the offsets m are zero for Q8_0 (kSigned: q is int8 and multiplied
-// with the sign trick). Block sizes: 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or 256 (K-quants).
+// Q6_K (16-weight sub-blocks); the offsets m are zero for Q8_0 and MXFP4 (kSigned: q is int8 and multiplied
+// with the sign trick). Block sizes: 32 weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4) or 256 (K-quants).
 //   scales(blk, c, d, m): the chunk's two scales and offsets (fp32, exactly as ggml computes them);
 //   quants(blk, c, q):    its 32 quants as bytes (scalar, every CPU);
 //   quants256(blk, c):    the same in one AVX2 register (where the CPU has AVX2);
@@ -203,6 +203,38 @@ struct Q8_0 {
 #endif
 #if defined(__AVX512BW__)
   static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q8_0>(b0, c0, b1, c1); }
+#endif
+};
+
+// MXFP4 (OCP microscaling, gpt-oss's experts): an e8m0 exponent byte e, 16 B of nibbles, each an fp4 e2m1 code;
+// as ggml keeps them, the codes as int8 of twice their value (kValues) and d = 2^(e - 128): w = d * kValues[q]
+struct MXFP4 {
+  static constexpr int QK = 32, BYTES = 17;
+  static constexpr bool kSigned = true, kSplit = false;
+  static constexpr int8_t kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  static void scales(const uint8_t* b, int, float* d, float* m) {
+    const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : static_cast<uint32_t>(b[0] - 1) << 23;  // ggml's e8m0 half
+    std::memcpy(d, &bits, 4);
+    d[1] = d[0];
+    m[0] = m[1] = 0.f;
+  }
+  static void quants(const uint8_t* b, int, uint8_t* q) {
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<uint8_t>(kValues[b[1 + i] & 0x0f]);
+      q[i + 16] = static_cast<uint8_t>(kValues[b[1 + i] >> 4]);
+    }
+  }
+#if defined(__AVX2__)
+  static __m256i lut256() {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kValues)));
+  }
+  static __m256i quants256(const uint8_t* b, int) { return _mm256_shuffle_epi8(lut256(), nibbles_lo_hi(b + 1)); }
+#endif
+#if defined(__AVX512BW__)
+  static __m512i quants512(const uint8_t* b0, int, const uint8_t* b1, int) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kValues)));
+    return _mm512_shuffle_epi8(lut, nibble_pair(b0 + 1, b1 + 1));
+  }
 #endif
 };
 

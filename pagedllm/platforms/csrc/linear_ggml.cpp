@@ -416,9 +416,10 @@ auto dispatch(int64_t type, Fn&& fn) {
     case 12: return fn(ggml::Q4_K{});
     case 13: return fn(ggml::Q5_K{});
     case 14: return fn(ggml::Q6_K{});
+    case 39: return fn(ggml::MXFP4{});
     default: break;
   }
-  TORCH_CHECK(false, "ggml type ", type, " has no kernel (executed: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K)");
+  TORCH_CHECK(false, "ggml type ", type, " has no kernel (executed: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K MXFP4)");
   return fn(ggml::Q8_0{});  // unreachable
 }
 

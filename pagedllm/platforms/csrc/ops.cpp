@@ -165,12 +165,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (fp32, CPU)");
-  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, bf16 or fp8 pool; fp32 math; CPU)");
+  m.def("paged_attention", &paged_attention, "attention over a paged KV pool (fp32, bf16 or fp8 pool; fp32 math; CPU)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("row_seq"), py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("scale"),
+        py::arg("window"), py::arg("k_scale"), py::arg("v_scale"), py::arg("lut"), py::arg("sinks") = py::none());
   m.def("attention_qkv", &attention_qkv, "rope on q/k of qkv rows, their K/V written to an fp32 or bf16 pool, the "
-        "first num_paged rows attended over the pool, prefill chunks of a bf16 pool too; returns [T, H, D] (CPU)");
+        "first num_paged rows attended over the pool, prefill chunks of a bf16 pool too; returns [T, H, D] (CPU)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"),
+        py::arg("num_heads"), py::arg("num_paged"), py::arg("block_tables"), py::arg("row_seq"), py::arg("q_start"),
+        py::arg("q_len"), py::arg("ctx_len"), py::arg("scale"), py::arg("window"), py::arg("chunk_tables"),
+        py::arg("chunk_q_start"), py::arg("chunk_q_len"), py::arg("chunk_ctx_len"), py::arg("chunk_scratch"),
+        py::arg("sinks") = py::none());
   m.def("shared_prefix_groups", &shared_prefix_groups, "the (shared keys, rows) groups paged_attention forms over a "
         "bf16 pool");
-  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)");
+  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("scale"), py::arg("window"),
+        py::arg("scratch"), py::arg("sinks") = py::none());
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
   m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "silu(gate) * up of x @ [gate | up].T (+ b), w packed by "
