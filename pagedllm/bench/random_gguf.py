@@ -26,7 +26,9 @@ class Shape:
     vocab: int
     context: int = 4096
     rope_theta: float = 10000.0
-    arch: str = "llama"  # the GGUF architecture: llama, qwen3 (q/k norms) or qwen3moe (q/k norms, experts)
+    # the GGUF architecture: llama, qwen3 (q/k norms), qwen3moe (q/k norms, experts) or gpt-oss (experts, biases,
+    # attention sinks, sliding-window layers, YaRN)
+    arch: str = "llama"
     head_dim: int | None = None  # None: hidden / heads
     experts: int = 0  # per layer, in place of the dense MLP
     experts_used: int = 0
@@ -39,6 +41,9 @@ SHAPES = {
     "qwen3-30b-a3b": Shape(2048, 6144, 48, 32, 4, 49152, 4096, 1e6, "qwen3moe", 128, 128, 8, 768),
     "tiny": Shape(256, 512, 2, 4, 2, 320, 1024),
     "tiny-moe": Shape(256, 512, 2, 4, 2, 320, 1024, 1e6, "qwen3moe", 64, 8, 2, 256),
+    "tiny-gpt-oss": Shape(256, 512, 2, 4, 2, 320, 1024, 150000.0, "gpt-oss", 64, 8, 2, 256),
+    # 32 experts of 2880, 4 routed a token: ~21B weights, ~3.6B active (SmolLM2's vocabulary, not its 201k one)
+    "gpt-oss-20b": Shape(2880, 2880, 24, 64, 8, 49152, 4096, 150000.0, "gpt-oss", 64, 32, 4, 2880),
 }
 _QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -58,6 +63,10 @@ def random_tensor(rng: np.random.Generator, rows: int, cols: int, qtype: str, fa
     if qtype in _QUANTIZABLE and not fast:
         return quantize(rng.standard_normal((rows, cols), dtype=np.float32) * std, t)
     qk, nbytes = GGML_QUANT_SIZES[t]
+    if qtype == "MXFP4":  # random fp4 codes under one power-of-two scale: w = 2^(e - 128) * (codes' values, std 5.85)
+        raw = rng.integers(0, 256, size=(rows * (cols // qk), nbytes), dtype=np.uint8)
+        raw[:, 0] = 128 + round(np.log2(std / 5.85))
+        return raw.reshape(rows, -1)
     if qtype not in _BLOCK_SCALES:
         raise ValueError(f"no random-block recipe for {qtype}")
     nb = rows * (cols // qk)
@@ -103,7 +112,7 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     "attn_v.weight") to another; norms and routers F32; token_embd in qtype (tied lm_head unless tie=False,
     then output.weight in qtype). Experts are 3-D tensors (`ffn_gate_exps` ...). Tensors are generated and
     written one at a time, so a file larger than RAM can be written."""
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, RopeScalingType
 
     from ..model_executor.model_loader.gguf_file import open_gguf
 
@@ -123,6 +132,12 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(shape.vocab)
     w.add_file_type(_FTYPE.get(qtype, 0))
+    oss = shape.arch == "gpt-oss"
+    if oss:  # gpt-oss-20b's: 128-token windows on every other layer, YaRN from a 4096 context to 32x
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     if shape.experts:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
@@ -134,14 +149,14 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
                 sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
                 w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
 
-    # (name, experts or 0, rows, cols, ggml type; None: an F32 norm of `cols`, "router": F32 [rows, cols])
+    # (name, experts or 0, rows, cols, ggml type; None: an F32 norm (or bias) of `cols`, "router": F32 [rows, cols])
     tensors: list[tuple[str, int, int, int, str | None]] = []
 
     def add(name: str, rows: int, cols: int, experts: int = 0) -> None:
         tensors.append((name, experts, rows, cols, next((t for sfx, t in types.items() if name.endswith(sfx)), qtype)))
 
-    def norm(name: str, n: int = shape.hidden) -> None:
-        tensors.append((name, 0, 1, n, None))
+    def norm(name: str, n: int = shape.hidden, experts: int = 0) -> None:
+        tensors.append((name, experts, 1, n, None))
 
     add("token_embd.weight", shape.vocab, shape.hidden)
     if not tie:
@@ -154,23 +169,33 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
         add(p + "attn_k.weight", kv, shape.hidden)
         add(p + "attn_v.weight", kv, shape.hidden)
         add(p + "attn_output.weight", shape.hidden, q)
-        if shape.arch != "llama":
+        if shape.arch in ("qwen3", "qwen3moe"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
+        if oss:
+            for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", shape.hidden)):
+                norm(f"{p}{name}.bias", n)
+            norm(p + "attn_sinks.weight", shape.heads)
         if shape.experts:
             tensors.append((p + "ffn_gate_inp.weight", 0, shape.experts, shape.hidden, "router"))
             e, n = shape.experts, shape.expert_intermediate
             add(p + "ffn_gate_exps.weight", n, shape.hidden, e)
             add(p + "ffn_up_exps.weight", n, shape.hidden, e)
             add(p + "ffn_down_exps.weight", shape.hidden, n, e)
+            if oss:
+                norm(p + "ffn_gate_inp.bias", e)
+                for name, width in (("ffn_gate_exps", n), ("ffn_up_exps", n), ("ffn_down_exps", shape.hidden)):
+                    norm(f"{p}{name}.bias", width, e)
         else:
             add(p + "ffn_gate.weight", shape.intermediate, shape.hidden)
             add(p + "ffn_up.weight", shape.intermediate, shape.hidden)
             add(p + "ffn_down.weight", shape.hidden, shape.intermediate)
         norm(p + "attn_norm.weight")
-        norm(p + "ffn_norm.weight")
+        norm(p + "post_attention_norm.weight" if oss else p + "ffn_norm.weight")
 
     def data(experts: int, rows: int, cols: int, t: str | None, gen: np.random.Generator = rng) -> np.ndarray:
+        if t is None and experts:  # an expert bias per expert
+            return (0.1 * gen.standard_normal((experts, cols))).astype(np.float32)
         if t is None:
             return (1 + 0.1 * gen.standard_normal(cols)).astype(np.float32)
         if t == "router":

@@ -33,7 +33,8 @@ def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in first + rest]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe",
+                                  "gpt-oss"])
 def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):
     path = tiny_models[arch][0]
     base = LLM(path, **OPTIONS)

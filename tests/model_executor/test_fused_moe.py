@@ -10,10 +10,15 @@ from pagedllm import LLM
 from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q4_K"])
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_K", "gpt-oss"])
 def moe_model(tmp_path_factory, request):
-    path = write_random_gguf(tmp_path_factory.mktemp("moe") / "moe.gguf", SHAPES["tiny-moe"], request.param, seed=3,
-                             std=0.08)
+    """Qwen3-MoE's layers with Q4_0 or Q4_K experts, and gpt-oss's (biases, clamped SwiGLU) with MXFP4 ones."""
+    where = tmp_path_factory.mktemp("moe") / "moe.gguf"
+    if request.param == "gpt-oss":
+        path = write_random_gguf(where, SHAPES["tiny-gpt-oss"], "Q8_0", seed=3, std=0.08,
+                                 types={"_exps.weight": "MXFP4"})
+    else:
+        path = write_random_gguf(where, SHAPES["tiny-moe"], request.param, seed=3, std=0.08)
     model = LLM(model=str(path), dtype="float32", num_kv_blocks=16).engine.runner.model
     if model.ops is None:
         pytest.skip("C++ kernels disabled")

@@ -118,13 +118,13 @@ def test_parts_of_different_formats_stack_along_the_outputs(ops, m: int) -> None
     assert torch.equal(y, torch.cat(singles, dim=1) + bias)
 
 
-REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4]
 
 
 @pytest.mark.parametrize("t", REPACKABLE, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 6, 40, 150, 300])
 def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None:
-    """Where the CPU runs Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked (AVX-512 VNNI): 37 rows = two groups of 16 and a
+    """Where the CPU runs Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K / MXFP4 repacked (AVX-512 VNNI): 37 rows = two groups of 16 and a
     padded one. The integer dot takes int16 activations (per 32, scale max|x| / 32767), so it is the
     exact product up to that rounding; the bf16 panels are the same values as from the file's layout;
     dequantization and row lookups are bit-exact."""
@@ -133,7 +133,8 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
     o, k = 37, 512
     raw = torch.from_numpy(random_blocks(t, o, k, seed=m))
     packed = ops.repack_ggml(raw, int(t))
-    assert packed.shape == (3, k // 32, {T.Q4_0: 288, T.Q4_1: 320, T.Q8_0: 544, T.Q4_K: 296, T.Q6_K: 548}[t])
+    assert packed.shape == (3, k // 32, {T.Q4_0: 288, T.Q4_1: 320, T.Q8_0: 544, T.Q4_K: 296, T.Q6_K: 548,
+                                        T.MXFP4: 272}[t])
     ref_w = ops.dequantize_ggml(raw, int(t), k, o, None)
     assert torch.equal(ops.dequantize_ggml(packed, int(t) + 1000, k, o, None), ref_w)
     ids = torch.tensor([36, 0, 17, 17])

@@ -169,22 +169,27 @@ class CpuKernels(_QKNorm):
 
 
 def _ggml_expert_args(moe: nn.Module) -> tuple | None:
-    """moe_ggml's weight lists for a SwiGLU layer whose experts are all GGML weights with the same number of
-    gate_up parts and no biases; None otherwise."""
+    """moe_ggml's weight lists for a layer whose experts are all GGML weights with the same number of gate_up parts,
+    with biases on all or none of them, and a SwiGLU (plain or clamped); None otherwise."""
     from .weight_formats import GGMLWeight
 
-    if moe.act != "silu":
+    if moe.act != "silu" and not isinstance(moe.act, ClampedSwiGLU):
         return None
+    alpha, limit = (moe.act.alpha, moe.act.limit) if isinstance(moe.act, ClampedSwiGLU) else (0.0, 0.0)
     gu = [e.gate_up_proj.packed for e in moe.experts]
     dn = [e.down_proj.packed for e in moe.experts]
-    if not all(isinstance(w, GGMLWeight) and w.bias is None for w in gu + dn):
+    if not all(isinstance(w, GGMLWeight) for w in gu + dn):
+        return None
+    biased = gu[0].bias is not None
+    if any((w.bias is not None) != biased for w in gu + dn):
         return None
     parts = len(gu[0]._weights)
     if any(len(w._weights) != parts for w in gu) or any(len(w._weights) != 1 for w in dn):
         return None
     return ([t for w in gu for t in w._weights], [t for w in gu for t in w._types],
             [r for w in gu for r in w.rows_per_part], parts,
-            [w._weights[0] for w in dn], [w._types[0] for w in dn], [w.rows_per_part[0] for w in dn])
+            [w._weights[0] for w in dn], [w._types[0] for w in dn], [w.rows_per_part[0] for w in dn],
+            [w.bias for w in gu] if biased else [], [w.bias for w in dn] if biased else [], alpha, limit)
 
 
 Backend = TorchReference | CpuKernels

@@ -1,16 +1,17 @@
-// Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights repacked once at load into groups of 16 output rows, the
+// Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and MXFP4 weights repacked once at load into groups of 16 output rows, the
 // layout that lets AVX-512 VNNI keep one output row per 32-bit lane (the idea of ggml's repacked
 // Q4_0x8 gemv). Per group and 32-weight chunk g (the rows' blocks side by side; a last group's extra
 // rows zero): the rows' scales, then the quants as 64-byte vectors, byte 4r + i of vector t being
-//   Q4_0 / Q4_1 / Q4_K: nibble byte 4t + i of row r (low nibble: weight 4t + i, high: 16 + 4t + i), t < 4;
+//   Q4_0 / Q4_1 / Q4_K / MXFP4: nibble byte 4t + i of row r (low nibble: weight 4t + i, high: 16 + 4t + i), t < 4;
 //   Q8_0 / Q6_K: weight 4t + i of row r as a byte, t < 8.
-// Scales: Q4_0 [16 x fp16 d], Q4_1 + [16 x fp16 m], Q8_0 [16 x fp16 d]; K-quants keep d (and dmin) in a
+// Scales: Q4_0 [16 x fp16 d], Q4_1 + [16 x fp16 m], Q8_0 [16 x fp16 d], MXFP4 [16 x e8m0]; K-quants keep d (and dmin) in a
 // header per 256-weight superblock and their sub-block scales as bytes in each chunk (kQ4KChunk,
 // kQ6KChunk). Bytes per weight: as the file for Q4_0 / Q4_1 / Q8_0, Q4_K +3%, Q6_K +30% (6-bit quants
 // as bytes).
 // Decode (M < 16 rows of x): activations as int16 per 32 (X16Act); per chunk 16 vpdpwssd, each on a
 // vector of int16 weight pairs (even / odd bytes of the 4-byte groups) and a broadcast activation
-// pair, give the 16 rows' integer dots; offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K)
+// pair, give the 16 rows' integer dots (MXFP4's nibbles first through a 16-entry table to their int8 values);
+// offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K)
 // seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da.
 // Weights are streamed once; about 0.1 instructions per weight at one row of x.
 // Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma.
@@ -34,6 +35,7 @@ inline float fp16_at(const uint8_t* p) { return ggml::fp16(p); }
 struct Layout {
   int64_t block_bytes, quant_at, chunk_bytes;  // a block in the file; a group chunk: its quants' offset, its stride
   bool has_min, is_q8, kquant, q6;
+  bool fp4 = false;  // MXFP4: a scale byte (e8m0) per row, nibbles as fp4 codes
 };
 
 Layout layout(int64_t type) {
@@ -43,7 +45,8 @@ Layout layout(int64_t type) {
     case 8: return {34, 32, 544, false, true, false, false};   // Q8_0
     case 12: return {144, 32, 296, true, false, true, false};  // Q4_K: 2368 B a superblock of 8 chunks (296 on average)
     case 14: return {210, 32, 548, false, false, true, true};  // Q6_K: 4384 B a superblock (548 on average)
-    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)");
+    case 39: return {17, 16, 272, false, false, false, false, true};  // MXFP4
+    default: TORCH_CHECK(false, "x16: ggml type ", type, " is not repacked (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, MXFP4)");
   }
   return {};
 }
@@ -75,6 +78,13 @@ inline void chunk_scale(const uint8_t* c, const Layout& L, int64_t g, int lane, 
     *m = -(fp16_at(hdr + 32 + 2 * lane) * static_cast<float>(c[16 + lane]));
     return;
   }
+  if (L.fp4) {  // the row's e8m0 byte, read as a block's first byte (scales() writes both halves' d and m)
+    float dd[2], mm[2];
+    ggml::MXFP4::scales(c + lane, 0, dd, mm);
+    *d = dd[0];
+    *m = 0.f;
+    return;
+  }
   *d = fp16_at(c + 2 * lane);
   *m = L.has_min ? fp16_at(c + 32 + 2 * lane) : L.is_q8 ? 0.f : -8.f * *d;
 }
@@ -85,14 +95,15 @@ inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
   if (L.q6) return qs[(k / 4) * 64 + 4 * lane + k % 4];
   const int kk = k % 16;
   const uint8_t b = qs[(kk / 4) * 64 + 4 * lane + kk % 4];
-  return k < 16 ? (b & 0x0f) : (b >> 4);
+  const int nib = k < 16 ? (b & 0x0f) : (b >> 4);
+  return L.fp4 ? ggml::MXFP4::kValues[nib] : nib;
 }
 
 }  // namespace
 
 bool x16_supported(int64_t type) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-  return type == 2 || type == 3 || type == 8 || type == 12 || type == 14;
+  return type == 2 || type == 3 || type == 8 || type == 12 || type == 14 || type == 39;
 #else
   (void)type;
   return false;
@@ -140,6 +151,10 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t type) {
             uint8_t w32[32];
             ggml::Q4_K::quants(b, sub, w32);
             for (int j = 0; j < 16; ++j) q[j] = static_cast<uint8_t>(w32[j] | (w32[j + 16] << 4));
+          } else if (L.fp4) {
+            const uint8_t* b = row + g * L.block_bytes;
+            c[r] = b[0];  // e8m0
+            std::memcpy(q, b + 1, 16);
           } else {
             const uint8_t* b = row + g * L.block_bytes;
             std::memcpy(c + 2 * r, b, 2);                          // d
@@ -230,9 +245,10 @@ namespace {
 template <int TYPE, int T>
 void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const X16Act& a,
                 int64_t t0, const float* bias, float* y, int64_t O) {
-  constexpr bool kQK = TYPE == 12, kQ6 = TYPE == 14, kMin = TYPE == 3 || kQK, kQ8 = TYPE == 8;
-  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : TYPE == 8 ? 544 : TYPE == 12 ? 296 : 548;
-  constexpr int64_t QAT = TYPE == 3 ? 64 : 32;
+  constexpr bool kQK = TYPE == 12, kQ6 = TYPE == 14, kMin = TYPE == 3 || kQK, kQ8 = TYPE == 8, kFP4 = TYPE == 39;
+  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : TYPE == 8 ? 544 : TYPE == 12 ? 296 : TYPE == 39 ? 272 : 548;
+  constexpr int64_t QAT = TYPE == 3 ? 64 : TYPE == 39 ? 16 : 32;
+  const __m512i fp4 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ggml::MXFP4::kValues)));
   const __m512i m4 = _mm512_set1_epi32(0x000f000f);
   const int64_t K = a.K;
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
@@ -254,6 +270,12 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
         dv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr))), sc);
         mv = _mm512_sub_ps(_mm512_setzero_ps(),
                            _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hdr + 32))), mn));
+      } else if constexpr (kFP4) {  // 2^(e - 128) from each row's e8m0 byte (e < 2: ggml's subnormals)
+        c = wp + (grp * nch + g) * CB;
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+        dv = _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2)), normal, tiny));
       } else {
         c = wp + (grp * nch + g) * CB;
         dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
@@ -273,6 +295,16 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
           const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
           w[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);  // bytes 0, 2: weights 4t + {0, 2}
           w[2 * t + 1] = _mm512_srai_epi16(raw, 8);                    // bytes 1, 3: 4t + {1, 3}
+        }
+      } else if constexpr (kFP4) {  // each nibble's int8 value through the table, then as Q8_0's bytes
+        for (int t = 0; t < 4; ++t) {
+          const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
+          const __m512i lo = _mm512_shuffle_epi8(fp4, _mm512_and_si512(raw, _mm512_set1_epi8(0x0f)));
+          const __m512i hi = _mm512_shuffle_epi8(fp4, _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f)));
+          w[4 * t] = _mm512_srai_epi16(_mm512_slli_epi16(lo, 8), 8);      // weights 4t + {0, 2}
+          w[4 * t + 1] = _mm512_srai_epi16(lo, 8);                        // 4t + {1, 3}
+          w[4 * t + 2] = _mm512_srai_epi16(_mm512_slli_epi16(hi, 8), 8);  // 16 + 4t + {0, 2}
+          w[4 * t + 3] = _mm512_srai_epi16(hi, 8);                        // 16 + 4t + {1, 3}
         }
       } else {
         for (int t = 0; t < 4; ++t) {
@@ -301,7 +333,7 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
           acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(hi0, hi1)), _mm512_mul_ps(dv_hi, da), acc[t]);
           continue;
         }
-        const int32_t base = kMin || kQ8 ? 0 : -8 * a.sum[r * a.nch + g];
+        const int32_t base = kMin || kQ8 || kFP4 ? 0 : -8 * a.sum[r * a.nch + g];
         constexpr int NC = 4;  // independent chains: vpdpwssd's latency, not its throughput, bounds one of 16
         __m512i i[NC];
         i[0] = _mm512_set1_epi32(base);
@@ -359,6 +391,7 @@ void x16_dot_groups(int64_t type, const torch::Tensor& w, int64_t rows, const X1
   if (type == 8) dot_range<8>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
   if (type == 12) dot_range<12>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
   if (type == 14) dot_range<14>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+  if (type == 39) dot_range<39>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
 #else
   (void)type; (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O; (void)g_lo; (void)g_hi;
 #endif
@@ -376,6 +409,7 @@ void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a
   if (type == 8) dot_all<8>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 12) dot_all<12>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 14) dot_all<14>(wp, a.nch, rows, a, M, bias, y, O);
+  if (type == 39) dot_all<39>(wp, a.nch, rows, a, M, bias, y, O);
 #else
   (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O;
 #endif
@@ -392,6 +426,7 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint1
   alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i fp4_values = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ggml::MXFP4::kValues)));
   for (int gi = 0; gi < 3; ++gi) {
     const int64_t grp = 3 * p + gi;
     for (int64_t g = 0; g < nch; ++g) {
@@ -420,6 +455,7 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint1
           const int kk = k % 16;
           const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (kk / 4));
           q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (kk % 4) + (k < 16 ? 0 : 4)), low4);
+          if (L.fp4) q = _mm512_permutexvar_epi32(q, fp4_values);  // the code's int8 value, as int32
         }
         wk[k % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, mv);  // weight k of the 16 rows
         if (k % 2) {  // [w_k(row 0), w_k+1(row 0), w_k(row 1), ...]: one convert of both, one interleave

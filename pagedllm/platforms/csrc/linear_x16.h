@@ -1,4 +1,4 @@
-// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K repacked into 16-row groups for AVX-512 VNNI (linear_x16.cpp), used by
+// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K / MXFP4 repacked into 16-row groups for AVX-512 VNNI (linear_x16.cpp), used by
 // linear_ggml.cpp for those types where x16_supported() says the CPU runs it.
 #pragma once
 #include <torch/types.h>

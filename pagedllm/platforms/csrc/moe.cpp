@@ -1,7 +1,7 @@
 // A mixture-of-experts MLP in one call: the batch's (token, expert) pairs grouped by expert with a counting
-// sort (tokens ascending within each expert), then for each expert that was picked: its rows gathered, gate_up,
-// silu * up, down, and the rows scaled by their routing weights and summed into the output. Only the picked
-// experts' weights are read.
+// sort (tokens ascending within each expert), then for each expert that was picked: its rows gathered, gate_up
+// (+ bias), silu(gate) * up or gpt-oss's clamped form, down (+ bias), and the rows scaled by their routing
+// weights and summed into the output. Only the picked experts' weights are read.
 // Every expert row takes linear_ggml's integer dot (activations int8 per 32, as ggml's mul_mat_id pairs each
 // type with its vec_dot_type), whatever the number of rows: which rows an expert gets depends on the whole
 // batch, so a row-count rule (linear_ggml's panels for prompt rows) would make a token's output, and through
@@ -31,7 +31,18 @@ struct Job {
   const X16Act* a;
   int64_t M;
   float* y;  // at the part's first column
+  const float* bias;  // at the part's first column, or nullptr
 };
+
+// the gated activation of gate_up rows [n, 2 I] (gate | up): silu(gate) * up, or with limit > 0 gpt-oss's
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit) (the torch ops the layer's own
+// loop runs, so both give the same bits)
+torch::Tensor gated(const torch::Tensor& gate_up, double alpha, double limit) {
+  if (limit <= 0) return silu_and_mul(gate_up);
+  const int64_t I = gate_up.size(1) / 2;
+  const auto g = gate_up.narrow(1, 0, I).clamp_max(limit);
+  return ((gate_up.narrow(1, I, I).clamp(-limit, limit) + 1) * g * torch::sigmoid(g * alpha)).contiguous();
+}
 
 // every job's groups in one parallel region: threads split the groups of all experts, not each expert's
 void run_groups(const std::vector<Job>& jobs) {
@@ -45,7 +56,7 @@ void run_groups(const std::vector<Job>& jobs) {
     while (lo < hi) {
       const Job& b = jobs[j];
       const int64_t end = std::min(hi, start[j + 1]);
-      x16_dot_groups(b.type, *b.w, b.rows, *b.a, b.M, nullptr, b.y, b.O, lo - start[j], end - start[j]);
+      x16_dot_groups(b.type, *b.w, b.rows, *b.a, b.M, b.bias, b.y, b.O, lo - start[j], end - start[j]);
       lo = end;
       ++j;
     }
@@ -56,13 +67,22 @@ void run_groups(const std::vector<Job>& jobs) {
 
 torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, std::vector<torch::Tensor> gate_up,
                        std::vector<int64_t> gate_up_types, std::vector<int64_t> gate_up_rows, int64_t parts_per_expert,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, std::vector<int64_t> down_rows) {
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, std::vector<int64_t> down_rows,
+                       std::vector<torch::Tensor> gate_up_bias, std::vector<torch::Tensor> down_bias, double alpha,
+                       double limit) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "moe_ggml: x must be [T, K] fp32");
   const int64_t E = static_cast<int64_t>(down.size()), P = parts_per_expert;
   TORCH_CHECK(P > 0 && static_cast<int64_t>(gate_up.size()) == E * P && gate_up_types.size() == gate_up.size() &&
                   gate_up_rows.size() == gate_up.size() && down_types.size() == down.size() &&
                   down_rows.size() == down.size(),
               "moe_ggml: ", P, " gate_up parts and one down weight per expert, each with its type and rows");
+  const bool biased = !gate_up_bias.empty();
+  TORCH_CHECK(gate_up_bias.size() == down_bias.size() && (!biased || static_cast<int64_t>(down_bias.size()) == E),
+              "moe_ggml: biases for every expert's gate_up and down, or none");
+  for (size_t e = 0; e < gate_up_bias.size(); ++e)
+    TORCH_CHECK(gate_up_bias[e].scalar_type() == torch::kFloat32 && gate_up_bias[e].is_contiguous() &&
+                    down_bias[e].scalar_type() == torch::kFloat32 && down_bias[e].is_contiguous(),
+                "moe_ggml: biases must be contiguous fp32");
   x = x.contiguous();
   const auto id = ids.to(torch::kInt64).contiguous();
   const auto wt = wts.to(torch::kFloat32).contiguous();
@@ -106,6 +126,8 @@ torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, st
     idx[e] = torch::from_blob(rows.data() + lo, {n}, torch::kInt64);
     xe[e] = n == T && T == 1 ? x : x.index_select(0, idx[e]);  // [n, K]
     for (int64_t p = e * P; p < (e + 1) * P; ++p) gu_rows[e] += gate_up_rows[p];
+    TORCH_CHECK(!biased || (gate_up_bias[e].numel() == gu_rows[e] && down_bias[e].numel() == O),
+                "moe_ggml: expert ", e, "'s biases do not match its outputs");
   }
   if (x16) {  // every picked expert repacked: each stage is one parallel region over all their 16-row groups
     std::vector<X16Act> a(E);
@@ -117,17 +139,18 @@ torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, st
       int64_t col0 = 0;
       for (int64_t p = e * P; p < (e + 1) * P; ++p) {
         jobs.push_back({&gate_up[p], gate_up_types[p] - kX16, gate_up_rows[p], gu_rows[e], &a[e], n,
-                        gu[e].data_ptr<float>() + col0});
+                        gu[e].data_ptr<float>() + col0, biased ? gate_up_bias[e].data_ptr<float>() + col0 : nullptr});
         col0 += gate_up_rows[p];
       }
     }
     run_groups(jobs);
     jobs.clear();
     for (int64_t e : picked) {
-      const auto act = silu_and_mul(gu[e]);  // [n, I]
+      const auto act = gated(gu[e], alpha, limit);  // [n, I]
       a[e] = x16_quantize(act.data_ptr<float>(), act.size(0), act.size(1));
       y[e] = torch::empty({act.size(0), O}, x.options());
-      jobs.push_back({&down[e], down_types[e] - kX16, down_rows[e], O, &a[e], act.size(0), y[e].data_ptr<float>()});
+      jobs.push_back({&down[e], down_types[e] - kX16, down_rows[e], O, &a[e], act.size(0), y[e].data_ptr<float>(),
+                      biased ? down_bias[e].data_ptr<float>() : nullptr});
     }
     run_groups(jobs);
   } else {  // a format without a repacked layout here: one expert after the other
@@ -135,8 +158,11 @@ torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, st
       std::vector<torch::Tensor> parts(gate_up.begin() + e * P, gate_up.begin() + (e + 1) * P);
       std::vector<int64_t> types(gate_up_types.begin() + e * P, gate_up_types.begin() + (e + 1) * P);
       std::vector<int64_t> prow(gate_up_rows.begin() + e * P, gate_up_rows.begin() + (e + 1) * P);
-      const auto act = silu_and_mul(linear_ggml_dot(xe[e], parts, types, prow, gu_rows[e]));  // [n, I]
+      auto gu_e = linear_ggml_dot(xe[e], parts, types, prow, gu_rows[e]);  // [n, 2 I]
+      if (biased) gu_e += gate_up_bias[e];
+      const auto act = gated(gu_e, alpha, limit);  // [n, I]
       y[e] = linear_ggml_dot(act, {down[e]}, {down_types[e]}, {down_rows[e]}, O);  // [n, O]
+      if (biased) y[e] += down_bias[e];
     }
   }
   auto out = torch::zeros({T, O}, x.options());
