@@ -89,8 +89,11 @@ class Tokenizer:
         vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
                  for i, t in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                     end_of_word_suffix="", fuse_unk=False))
+        try:
+            tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                         end_of_word_suffix="", fuse_unk=False))
+        except Exception as e:  # tokenizers raises a bare Exception for an inconsistent vocabulary
+            raise ValueError(f"the GGUF's BPE vocabulary and merges do not fit together ({e})") from e
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True)

@@ -133,11 +133,12 @@ def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
 
 
 def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None, norm_shift: float = 0.0,
-                           expert_quant: str | None = None) -> None:
+                           expert_quant: str | None = None, vocab: bool = False) -> None:
     """The checkpoint of an HF folder (per-expert matrices, as the model's `hf_tensors` names them) as a GGUF of
     `names`' GGUF names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer.
     quant: a ggml type name for every linear's matrix (norms, biases, the embedding and routers stay F32);
-    expert_quant: the experts' type, if another."""
+    expert_quant: the experts' type, if another. vocab: a placeholder byte-level BPE vocabulary of the model's size
+    (tokens "t0" ..., one merge), for an engine that will not load a file without one (llama.cpp)."""
     import json
     from pathlib import Path
 
@@ -157,6 +158,11 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     sd = {k: t.contiguous().numpy() for k, t in tensors.items()}
     w = GGUFWriter(str(path), arch)
     _write_config(w, c)
+    if vocab:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(c["vocab_size"])])
+        w.add_token_types([1] * c["vocab_size"])
+        w.add_token_merges(["t 0"])
     rope = c["rope_parameters"].get("full_attention", c["rope_parameters"])  # Gemma 3: the global layers' rope
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
@@ -165,7 +171,7 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if c.get("sliding_window") is not None and c.get("layer_types"):
+    if c.get("sliding_window") is not None:
         w.add_sliding_window(c["sliding_window"])
     if c.get("clip_qkv") is not None:
         w.add_clamp_kqv(c["clip_qkv"])

@@ -60,3 +60,11 @@ def test_split_multibyte_characters_never_leak_replacement_chars(gguf_tok):
     d = IncrementalDetokenizer(gguf_tok)
     deltas = [d.add(i) for i in ids]
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🦙"
+
+
+def test_a_gguf_vocabulary_its_merges_do_not_fit_is_a_clear_error():
+    """A merge naming a token the vocabulary lacks: a ValueError the loader turns into a warning (token-id prompts
+    only), not the tokenizers library's bare Exception, which would fail the whole load."""
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["t0", "t1"], "tokenizer.ggml.merges": ["t 0"]}
+    with pytest.raises(ValueError, match="vocabulary and merges do not fit"):
+        Tokenizer.from_gguf_metadata(meta)
