@@ -239,3 +239,46 @@ def test_gpt_oss_from_a_gguf_generates_what_hf_does_and_runs_mxfp4_experts_as_st
     ids = [(i * 37 + i * i * 11) % hf.config.vocab_size for i in range(200)]
     r = compare_to_reference(ref.engine, native.engine, ids, chunk=50)
     assert r["mean_kl"] < 0.015 and r["top1_agreement"] > 0.93, r  # int8 activations (and the routing they flip)
+
+
+def test_gpt_oss_mxfp4_experts_from_an_hf_folder_run_as_stored(tiny_models, tmp_path) -> None:
+    """OpenAI's checkpoint layout: each layer's experts as MXFP4 `*_blocks` / `*_scales`. They load as ggml MXFP4
+    blocks whose dequantization is HF's own (transformers' convert_moe_packed_tensors), bit for bit, and the model
+    tracks the same weights stored dense."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedllm.tools.evaluate import compare_to_reference
+
+    folder, hf = tiny_models["gpt-oss"]
+    sd = load_file(f"{folder}/model.safetensors")
+    mx, dense = tmp_path / "mxfp4", tmp_path / "dense"
+    g = torch.Generator().manual_seed(0)
+    packed = dict(sd)
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, k, o = sd[name].shape  # HF's dense layout [E, in, out]
+        blocks = torch.randint(0, 256, (e, o, k // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(121, 125, (e, o, k // 32), generator=g, dtype=torch.uint8)
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        sd[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    cfg = json.loads(Path(folder, "config.json").read_text())
+    for out, tensors, extra in ((mx, packed, {"quantization_config": {"quant_method": "mxfp4"}}), (dense, sd, {})):
+        out.mkdir()
+        save_file(tensors, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**cfg, **extra}))
+    native = LLM(model=str(mx), dtype="float32", num_kv_blocks=64)
+    model = native.engine.runner.model
+    assert "mxfp4" in model.weight_format
+    expert = model.layers[1].mlp.experts[2]
+    gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"][2]  # [hidden, 2 I], gate and up interleaved
+    assert torch.equal(expert.gate_up_proj.packed.dequantize(), torch.cat((gate_up[:, 0::2].T, gate_up[:, 1::2].T)))
+    assert torch.equal(expert.down_proj.packed.dequantize(), sd["model.layers.1.mlp.experts.down_proj"][2].T)
+    ref = LLM(model=str(dense), dtype="float32", num_kv_blocks=64)
+    ids = [(i * 37 + i * i * 11) % hf.config.vocab_size for i in range(200)]
+    r = compare_to_reference(ref.engine, native.engine, ids, chunk=50)
+    assert r["mean_kl"] < 0.015 and r["top1_agreement"] > 0.93, r

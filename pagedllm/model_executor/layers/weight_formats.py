@@ -11,9 +11,13 @@ that tests, eval and fallbacks use). The model holds PackedWeights and never kno
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 
+from ...errors import ModelLoadError
 from ...platforms.cpu import Ops, pack_weight, pad_bias, unpack_weight
 from .formats import FORMATS, GGML_KERNEL_FORMATS, REPACKED, WeightFormat
 
@@ -131,6 +135,47 @@ class GGMLWeight(PackedWeight):
     @property
     def format_name(self) -> str:
         return "+".join(dict.fromkeys(f.name for f in self.formats))
+
+
+def block_bytes_of(fmt: WeightFormat, cols: tuple[int, int], name: str) -> tuple[int, int]:
+    """The bytes of each row that hold weights [cols) of a block format: a tensor-parallel shard of its inputs,
+    which must fall on whole blocks."""
+    if cols[0] % fmt.block_weights or cols[1] % fmt.block_weights:
+        raise ModelLoadError(f"{name}: a shard of weights [{cols[0]}, {cols[1]}) does not fall on whole "
+                             f"{fmt.name} blocks of {fmt.block_weights}")
+    return cols[0] // fmt.block_weights * fmt.block_bytes, cols[1] // fmt.block_weights * fmt.block_bytes
+
+
+@dataclass
+class BlockRows:
+    """A checkpoint tensor that arrives in a ggml block format (an HF folder's MXFP4 experts, laid out as ggml's
+    blocks at load): rows [O, row_bytes] uint8 of `in_features` weights each."""
+
+    data: Tensor
+    fmt: WeightFormat
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+    def select(self, rows: np.ndarray | None, cols: tuple[int, int] | None, name: str) -> BlockRows:
+        """This rank's rows and inputs (whole blocks)."""
+        data, k = self.data, self.in_features
+        if cols is not None:
+            lo, hi = block_bytes_of(self.fmt, cols, name)
+            data, k = data[:, lo:hi], cols[1] - cols[0]
+        if rows is not None:
+            data = data[torch.from_numpy(rows)]
+        return BlockRows(data.contiguous(), self.fmt, k)
+
+    def dequantize(self) -> Tensor:
+        """fp32 [O, in_features] (gguf-py's reference)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = dequantize(self.data.numpy(), GGMLQuantizationType(self.fmt.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(w.reshape(self.data.shape[0], self.in_features), dtype=np.float32))
 
 
 def repack_experts(ops: Ops, data: Tensor, fmt: WeightFormat) -> list[Tensor] | None:

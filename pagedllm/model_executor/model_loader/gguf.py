@@ -21,7 +21,7 @@ from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...tokenizer import Tokenizer
 from ..layers.formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
-from ..layers.weight_formats import GGMLWeight, repack_experts
+from ..layers.weight_formats import GGMLWeight, block_bytes_of, repack_experts
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Part
 from .base import (
@@ -165,11 +165,8 @@ class GGUFTensors:
         if rows is None and cols is None:
             return torch.from_numpy(data)
         if cols is not None:
-            m = self.fmt(name)
-            if cols[0] % m.block_weights or cols[1] % m.block_weights:
-                raise ModelLoadError(f"{name}: a shard of weights [{cols[0]}, {cols[1]}) does not fall on whole "
-                                     f"{m.name} blocks of {m.block_weights}")
-            data = data[:, cols[0] // m.block_weights * m.block_bytes:cols[1] // m.block_weights * m.block_bytes]
+            lo, hi = block_bytes_of(self.fmt(name), cols, name)
+            data = data[:, lo:hi]
         out = torch.from_numpy(np.ascontiguousarray(data if rows is None else data[rows]))
         self.release(name, expert)
         return out

@@ -4,6 +4,7 @@ model's weight-name map; each rank cuts its shard as it reads; dense weights in 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...tokenizer import Tokenizer
+from ..layers.weight_formats import BlockRows, GGMLWeight
 from ..models.registry import ModelRegistry
 from .base import (
     LoadedModel,
@@ -28,6 +30,8 @@ from .base import (
     shard_rows,
     use_kernels,
 )
+
+log = logging.getLogger("pagedllm")
 
 
 def read_config(path: Path) -> dict:
@@ -58,19 +62,37 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     if lm_head_name not in sd:
         cfg.tie_word_embeddings = True
 
+    ops = kernels_for(tdtype)
+    blocks_dequantized = 0
+
     def linear(owner: torch.nn.Module, spec, prefix: str) -> None:
-        """Stack the parts along the outputs, each cut to this rank's rows or columns first."""
+        """Stack the parts along the outputs, each cut to this rank's rows or columns first. Parts that arrive in
+        a block format (BlockRows) run as stored where the kernels can, else are dequantized."""
+        nonlocal blocks_dequantized
         ws, bs = [], []
         for p in spec.parts:
-            w = take(f"{prefix}{p.hf}.weight")
+            name = f"{prefix}{p.hf}.weight"
+            w = take(name)
             rows, cols = shard_rows(spec, p, w.shape[0], cfg, tp), shard_cols(spec, w.shape[1], tp)
-            w = w if rows is None else w[torch.from_numpy(rows)]
-            ws.append(w if cols is None else w[:, cols[0]:cols[1]])
+            if isinstance(w, BlockRows):
+                ws.append(w.select(rows, cols, name))
+            else:
+                w = w if rows is None else w[torch.from_numpy(rows)]
+                ws.append(w if cols is None else w[:, cols[0]:cols[1]])
             if owner.get_submodule(spec.attr).bias is not None:
                 b = take(f"{prefix}{p.hf}.bias")
                 bs.append(b if rows is None else b[torch.from_numpy(rows)])
         bias = row_parallel_bias(torch.cat(bs).to(tdtype) if bs else None, spec, tp)
-        set_dense(owner.get_submodule(spec.attr), torch.cat(ws).to(tdtype), bias)
+        lin = owner.get_submodule(spec.attr)
+        if all(isinstance(w, BlockRows) for w in ws) and ops is not None and quantization is None:
+            model.set_packed(lin, GGMLWeight(ops, [(w.data, w.fmt) for w in ws], ws[0].in_features, bias))
+            if bias is not None:  # the packed weight adds it; the module keeps it as the checkpoint's tensor
+                lin.bias = torch.nn.Parameter(bias, requires_grad=False)
+            return
+        if any(isinstance(w, BlockRows) for w in ws):
+            blocks_dequantized += 1
+            ws = [w.dequantize() if isinstance(w, BlockRows) else w for w in ws]
+        set_dense(lin, torch.cat(ws).to(tdtype), bias)
 
     def param(owner: torch.nn.Module, attr: str, name: str, vocab_rows: bool = False) -> None:
         w = take(name)
@@ -91,16 +113,18 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         for n in names.norms:
             set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), tp)
     sd.clear()  # the loaded tensors now belong to the model (or were cut from)
+    if blocks_dequantized:
+        log.warning("%d linears stored in a block format (MXFP4) dequantized at load to %s", blocks_dequantized,
+                    str(tdtype).removeprefix("torch."))
     check_complete(model, path)
     model.after_load("hf")
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)
-    ops = kernels_for(tdtype)
     if quantization not in (None, "none"):
         if ops is None:
             raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
-        for lin in [lin for lin in model._linears() if lin.quantizable]:
+        for lin in [lin for lin in model._linears() if lin.quantizable and lin.packed is None]:
             quantize_linear(model, ops, lin, lin.weight.data, lin.bias.data if lin.bias is not None else None, quantization)
     use_kernels(model, ops, tdtype)
     eos = raw.get("eos_token_id")

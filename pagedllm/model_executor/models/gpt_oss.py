@@ -13,9 +13,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from ...errors import ModelLoadError
 from ..layers.backends import ClampedSwiGLU
+from ..layers.formats import FORMATS
 from ..layers.fused_moe import FusedMoE
+from ..layers.weight_formats import BlockRows
 from .config import ModelConfig
 from .llama import DecoderLayer, LlamaForCausalLM
 from .weight_names import Linear, Param, Part
@@ -71,20 +72,40 @@ class GptOssForCausalLM(LlamaForCausalLM):
     @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         """HF stacks a layer's experts: gate_up_proj [E, hidden, 2 I] with gate and up interleaved along the last
-        axis, down_proj [E, I, hidden], biases [E, 2 I] and [E, hidden]; each expert's linears are views of them."""
+        axis, down_proj [E, I, hidden], biases [E, 2 I] and [E, hidden]; each expert's linears are views of them.
+        OpenAI's checkpoints store the experts in MXFP4 instead (`*_blocks` [E, O, K / 32, 16], `*_scales`
+        [E, O, K / 32], rows of the output): those become ggml's MXFP4 blocks, which run as stored."""
         for i in range(cfg.num_layers):
-            p = cls.WEIGHTS.hf_layer.format(i)
-            if f"{p}mlp.experts.gate_up_proj_blocks" in sd:
-                raise ModelLoadError("MXFP4 experts in an HF folder are not read yet: load the model's GGUF (llama.cpp's "
-                                     "converter keeps them MXFP4, which runs as stored) or a dequantized checkpoint")
-            if f"{p}self_attn.sinks" in sd:
-                sd[f"{p}self_attn.sinks.weight"] = sd.pop(f"{p}self_attn.sinks")
-            if f"{p}mlp.experts.gate_up_proj" not in sd:
-                continue
-            gate_up, gate_up_b = sd.pop(f"{p}mlp.experts.gate_up_proj"), sd.pop(f"{p}mlp.experts.gate_up_proj_bias")
-            down, down_b = sd.pop(f"{p}mlp.experts.down_proj"), sd.pop(f"{p}mlp.experts.down_proj_bias")
-            for e in range(gate_up.shape[0]):
-                x = f"{p}mlp.experts.{e}."
-                sd[x + "gate_proj.weight"], sd[x + "up_proj.weight"] = gate_up[e, :, 0::2].T, gate_up[e, :, 1::2].T
-                sd[x + "gate_proj.bias"], sd[x + "up_proj.bias"] = gate_up_b[e, 0::2], gate_up_b[e, 1::2]
-                sd[x + "down_proj.weight"], sd[x + "down_proj.bias"] = down[e].T, down_b[e]
+            p = cls.WEIGHTS.hf_layer.format(i) + "mlp.experts."
+            attn = cls.WEIGHTS.hf_layer.format(i) + "self_attn.sinks"
+            if attn in sd:
+                sd[attn + ".weight"] = sd.pop(attn)
+            if p + "gate_up_proj_blocks" in sd:
+                gate_up = _mxfp4_rows(sd.pop(p + "gate_up_proj_blocks"), sd.pop(p + "gate_up_proj_scales"))
+                down = _mxfp4_rows(sd.pop(p + "down_proj_blocks"), sd.pop(p + "down_proj_scales"))
+                for e, (gu, dn) in enumerate(zip(gate_up, down)):
+                    gate = BlockRows(gu.data[0::2], gu.fmt, gu.in_features)
+                    sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate, BlockRows(
+                        gu.data[1::2], gu.fmt, gu.in_features)
+                    sd[f"{p}{e}.down_proj.weight"] = dn
+            elif p + "gate_up_proj" in sd:
+                gate_up, down = sd.pop(p + "gate_up_proj"), sd.pop(p + "down_proj")
+                for e in range(gate_up.shape[0]):
+                    sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate_up[e, :, 0::2].T, gate_up[e, :, 1::2].T
+                    sd[f"{p}{e}.down_proj.weight"] = down[e].T
+            if p + "gate_up_proj_bias" in sd:
+                gate_up_b, down_b = sd.pop(p + "gate_up_proj_bias"), sd.pop(p + "down_proj_bias")
+                for e in range(gate_up_b.shape[0]):
+                    sd[f"{p}{e}.gate_proj.bias"], sd[f"{p}{e}.up_proj.bias"] = gate_up_b[e, 0::2], gate_up_b[e, 1::2]
+                    sd[f"{p}{e}.down_proj.bias"] = down_b[e]
+
+
+def _mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> list[BlockRows]:
+    """OpenAI's MXFP4 tensor (blocks [E, O, G, 16] uint8: byte i holds codes 2i (low nibble) and 2i + 1; scales
+    [E, O, G] e8m0: w = fp4 * 2^(s - 127)) as each expert's rows of ggml MXFP4 blocks [O, G * 17]: the scale byte
+    as is (ggml's codes are doubled, its scale halved), then byte j = code j | code j + 16 << 4."""
+    e, o, g, _ = blocks.shape
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).view(e, o, g, 32)  # in element order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [E, O, G, 16]
+    rows = torch.cat((scales.unsqueeze(-1), packed), dim=-1).view(e, o, g * 17)
+    return [BlockRows(r, FORMATS["mxfp4"], g * 32) for r in rows]
