@@ -85,6 +85,7 @@ class Ops:
     mask_rows_: object
     shared_prefix_groups: object
     moe_ggml: object
+    MoeExperts: type  # the extension's class, as it names it
 
 
 def cpu_isa_flags() -> str:
@@ -194,7 +195,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16,
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.moe_ggml)
+               mod.mask_rows_, mod.shared_prefix_groups, mod.moe_ggml, mod.MoeExperts)
 
 
 @cache  # one build per process: the compiled library never changes once loaded

@@ -55,7 +55,7 @@ def test_only_the_picked_experts_are_read(moe_model) -> None:
     """An expert no token picked is never read: the op gives the same result with its weights gone."""
     moe, h, ids, weights = _inputs(moe_model, 2, 7)
     expected = moe_model.backend.moe_experts(moe, h, ids, weights, 2)
-    args = moe_model.backend._moe_args[id(moe)][1]
+    args = moe_model.backend._moe[id(moe)][1]
     idle = sorted(set(range(moe.num_experts)) - set(ids.flatten().tolist()))
     assert idle
     gate_up, down, parts = list(args[0]), list(args[4]), args[3]

@@ -119,19 +119,19 @@ class CpuKernels(_QKNorm):
     def __init__(self, ops: Ops) -> None:
         self.ops = ops
         self.argmax_rows = ops.argmax_rows  # torch's is single-threaded: ~2.7 ms on 64 x 49k
-        self._moe_args: dict[int, tuple] = {}  # id(layer) -> (its first expert's packed weight, the op's lists)
+        self._moe: dict[int, tuple] = {}  # id(layer) -> (its first expert's packed weight, the op's lists, the op)
 
     def moe_experts(self, moe: nn.Module, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     decode_rows: int) -> torch.Tensor | None:
         """Experts in ggml block formats: the whole layer in the op (moe.cpp), no per-expert dispatch here."""
         first = moe.experts[0].gate_up_proj.packed
-        cached = self._moe_args.get(id(moe))
+        cached = self._moe.get(id(moe))
         if cached is None or cached[0] is not first:  # built once per packing of the layer
-            cached = self._moe_args[id(moe)] = (first, _ggml_expert_args(moe))
-        args = cached[1]
-        if args is None:
+            args = _ggml_expert_args(moe)
+            cached = self._moe[id(moe)] = (first, args, self.ops.MoeExperts(*args) if args is not None else None)
+        if cached[2] is None:
             return None
-        return self.ops.moe_ggml(h, ids, weights, *args)  # every row on the integer dot: batch-invariant
+        return cached[2](h, ids, weights)  # every row on the integer dot: batch-invariant
 
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         """The op reads fp32, bf16 and fp8 pools in place; a bf16 pool's prefills go to its chunk kernel (bf16

@@ -12,7 +12,9 @@
 // a stage, not once an expert, and balance over 8 small matrices rather than within each (decode-sized
 // expert matrices of 1-2 MB: 16 GB/s in one call each vs 19-23 for 6-60 MB ones, measured on Zen 4/5).
 // Else one expert after the other through linear_ggml's dot. Either way the interpreter's dispatch around
-// each expert (~10 framework calls per expert per layer) is gone.
+// each expert (~10 framework calls per expert per layer) is gone, and so is the conversion of the layer's weight
+// lists at every call: a MoeExperts holds them, made once per layer (a Python list of 128 experts' 384 tensors
+// converted per call measured ~0.3 ms a layer, more than a decode step's expert work on small models).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -65,13 +67,16 @@ void run_groups(const std::vector<Job>& jobs) {
 
 }  // namespace
 
-torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, std::vector<torch::Tensor> gate_up,
-                       std::vector<int64_t> gate_up_types, std::vector<int64_t> gate_up_rows, int64_t parts_per_expert,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, std::vector<int64_t> down_rows,
-                       std::vector<torch::Tensor> gate_up_bias, std::vector<torch::Tensor> down_bias, double alpha,
-                       double limit) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "moe_ggml: x must be [T, K] fp32");
-  const int64_t E = static_cast<int64_t>(down.size()), P = parts_per_expert;
+MoeExperts::MoeExperts(std::vector<torch::Tensor> gate_up_, std::vector<int64_t> gate_up_types_,
+                       std::vector<int64_t> gate_up_rows_, int64_t parts_per_expert, std::vector<torch::Tensor> down_,
+                       std::vector<int64_t> down_types_, std::vector<int64_t> down_rows_,
+                       std::vector<torch::Tensor> gate_up_bias_, std::vector<torch::Tensor> down_bias_, double alpha_,
+                       double limit_)
+    : gate_up(std::move(gate_up_)), gate_up_types(std::move(gate_up_types_)), gate_up_rows(std::move(gate_up_rows_)),
+      down(std::move(down_)), down_types(std::move(down_types_)), down_rows(std::move(down_rows_)),
+      gate_up_bias(std::move(gate_up_bias_)), down_bias(std::move(down_bias_)), P(parts_per_expert), alpha(alpha_),
+      limit(limit_) {
+  const int64_t E = static_cast<int64_t>(down.size());
   TORCH_CHECK(P > 0 && static_cast<int64_t>(gate_up.size()) == E * P && gate_up_types.size() == gate_up.size() &&
                   gate_up_rows.size() == gate_up.size() && down_types.size() == down.size() &&
                   down_rows.size() == down.size(),
@@ -83,6 +88,12 @@ torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, st
     TORCH_CHECK(gate_up_bias[e].scalar_type() == torch::kFloat32 && gate_up_bias[e].is_contiguous() &&
                     down_bias[e].scalar_type() == torch::kFloat32 && down_bias[e].is_contiguous(),
                 "moe_ggml: biases must be contiguous fp32");
+}
+
+torch::Tensor MoeExperts::operator()(torch::Tensor x, torch::Tensor ids, torch::Tensor wts) const {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "moe_ggml: x must be [T, K] fp32");
+  const int64_t E = static_cast<int64_t>(down.size());
+  const bool biased = !gate_up_bias.empty();
   x = x.contiguous();
   const auto id = ids.to(torch::kInt64).contiguous();
   const auto wt = wts.to(torch::kFloat32).contiguous();
@@ -172,4 +183,14 @@ torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, st
     out.index_add_(0, idx[e], y[e] * w);
   }
   return out;
+}
+
+torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, std::vector<torch::Tensor> gate_up,
+                       std::vector<int64_t> gate_up_types, std::vector<int64_t> gate_up_rows, int64_t parts_per_expert,
+                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, std::vector<int64_t> down_rows,
+                       std::vector<torch::Tensor> gate_up_bias, std::vector<torch::Tensor> down_bias, double alpha,
+                       double limit) {
+  return MoeExperts(std::move(gate_up), std::move(gate_up_types), std::move(gate_up_rows), parts_per_expert,
+                    std::move(down), std::move(down_types), std::move(down_rows), std::move(gate_up_bias),
+                    std::move(down_bias), alpha, limit)(x, ids, wts);
 }
