@@ -65,6 +65,27 @@ void run_groups(const std::vector<Job>& jobs) {
   });
 }
 
+// rows `rows[0 : n]` of quantized activations (the same bits as quantizing those rows alone)
+X16Act select_rows(const X16Act& all, const int64_t* rows, int64_t n) {
+  X16Act a;
+  a.K = all.K;
+  a.nch = all.nch;
+  a.q.resize(n * a.K);
+  a.d.resize(n * a.nch);
+  a.s.resize(n * a.nch);
+  a.sum.resize(n * a.nch);
+  a.sum16.resize(n * a.nch * 2);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = rows[i];
+    std::copy_n(all.q.data() + r * a.K, a.K, a.q.data() + i * a.K);
+    std::copy_n(all.d.data() + r * a.nch, a.nch, a.d.data() + i * a.nch);
+    std::copy_n(all.s.data() + r * a.nch, a.nch, a.s.data() + i * a.nch);
+    std::copy_n(all.sum.data() + r * a.nch, a.nch, a.sum.data() + i * a.nch);
+    std::copy_n(all.sum16.data() + r * a.nch * 2, a.nch * 2, a.sum16.data() + i * a.nch * 2);
+  }
+  return a;
+}
+
 }  // namespace
 
 MoeExperts::MoeExperts(std::vector<torch::Tensor> gate_up_, std::vector<int64_t> gate_up_types_,
@@ -130,51 +151,66 @@ torch::Tensor MoeExperts::operator()(torch::Tensor x, torch::Tensor ids, torch::
     for (int64_t p = e * P; p < (e + 1) * P; ++p) x16 = x16 && gate_up_types[p] >= kX16;
   }
   // per picked expert: its token ids, gathered rows, and outputs of the two stages
-  std::vector<torch::Tensor> idx(E), xe(E), gu(E), y(E);
-  std::vector<int64_t> gu_rows(E, 0);
+  std::vector<torch::Tensor> idx(E), xe(E), y(E);
+  int64_t GU = 0;  // the experts' gate_up outputs (2 I), alike
   for (int64_t e : picked) {
     const int64_t lo = count[e], n = count[e + 1] - lo;
     idx[e] = torch::from_blob(rows.data() + lo, {n}, torch::kInt64);
-    xe[e] = n == T && T == 1 ? x : x.index_select(0, idx[e]);  // [n, K]
-    for (int64_t p = e * P; p < (e + 1) * P; ++p) gu_rows[e] += gate_up_rows[p];
-    TORCH_CHECK(!biased || (gate_up_bias[e].numel() == gu_rows[e] && down_bias[e].numel() == O),
+    int64_t gu_rows = 0;
+    for (int64_t p = e * P; p < (e + 1) * P; ++p) gu_rows += gate_up_rows[p];
+    TORCH_CHECK(GU == 0 || gu_rows == GU, "moe_ggml: experts' gate_up projections differ in outputs");
+    GU = gu_rows;
+    TORCH_CHECK(!biased || (gate_up_bias[e].numel() == GU && down_bias[e].numel() == O),
                 "moe_ggml: expert ", e, "'s biases do not match its outputs");
+    if (!x16) xe[e] = n == T && T == 1 ? x : x.index_select(0, idx[e]);  // [n, K]
   }
+  const int64_t pairs = T * k;
   if (x16) {  // every picked expert repacked: each stage is one parallel region over all their 16-row groups
+    // the pairs' rows of both stages in one buffer each, grouped by expert (each expert's rows contiguous), the
+    // tokens quantized once and each expert given its rows' quantized copies: no tensor work per expert
+    const X16Act ax = x16_quantize(x.data_ptr<float>(), T, x.size(1));
     std::vector<X16Act> a(E);
     std::vector<Job> jobs;
+    auto gu_all = torch::empty({pairs, GU}, x.options());
     for (int64_t e : picked) {
-      const int64_t n = xe[e].size(0);
-      a[e] = x16_quantize(xe[e].data_ptr<float>(), n, x.size(1));
-      gu[e] = torch::empty({n, gu_rows[e]}, x.options());
+      const int64_t lo = count[e], n = count[e + 1] - lo;
+      a[e] = n == T && T == 1 ? ax : select_rows(ax, rows.data() + lo, n);
       int64_t col0 = 0;
       for (int64_t p = e * P; p < (e + 1) * P; ++p) {
-        jobs.push_back({&gate_up[p], gate_up_types[p] - kX16, gate_up_rows[p], gu_rows[e], &a[e], n,
-                        gu[e].data_ptr<float>() + col0, biased ? gate_up_bias[e].data_ptr<float>() + col0 : nullptr});
+        jobs.push_back({&gate_up[p], gate_up_types[p] - kX16, gate_up_rows[p], GU, &a[e], n,
+                        gu_all.data_ptr<float>() + lo * GU + col0,
+                        biased ? gate_up_bias[e].data_ptr<float>() + col0 : nullptr});
         col0 += gate_up_rows[p];
       }
     }
     run_groups(jobs);
     jobs.clear();
+    const auto act = gated(gu_all, alpha, limit);  // [pairs, I]: a row's math does not depend on its neighbours
+    const int64_t I = act.size(1);
+    auto y_all = torch::empty({pairs, O}, x.options());
     for (int64_t e : picked) {
-      const auto act = gated(gu[e], alpha, limit);  // [n, I]
-      a[e] = x16_quantize(act.data_ptr<float>(), act.size(0), act.size(1));
-      y[e] = torch::empty({act.size(0), O}, x.options());
-      jobs.push_back({&down[e], down_types[e] - kX16, down_rows[e], O, &a[e], act.size(0), y[e].data_ptr<float>(),
+      const int64_t lo = count[e], n = count[e + 1] - lo;
+      a[e] = x16_quantize(act.data_ptr<float>() + lo * I, n, I);
+      jobs.push_back({&down[e], down_types[e] - kX16, down_rows[e], O, &a[e], n, y_all.data_ptr<float>() + lo * O,
                       biased ? down_bias[e].data_ptr<float>() : nullptr});
     }
     run_groups(jobs);
-  } else {  // a format without a repacked layout here: one expert after the other
-    for (int64_t e : picked) {
-      std::vector<torch::Tensor> parts(gate_up.begin() + e * P, gate_up.begin() + (e + 1) * P);
-      std::vector<int64_t> types(gate_up_types.begin() + e * P, gate_up_types.begin() + (e + 1) * P);
-      std::vector<int64_t> prow(gate_up_rows.begin() + e * P, gate_up_rows.begin() + (e + 1) * P);
-      auto gu_e = linear_ggml_dot(xe[e], parts, types, prow, gu_rows[e]);  // [n, 2 I]
-      if (biased) gu_e += gate_up_bias[e];
-      const auto act = gated(gu_e, alpha, limit);  // [n, I]
-      y[e] = linear_ggml_dot(act, {down[e]}, {down_types[e]}, {down_rows[e]}, O);  // [n, O]
-      if (biased) y[e] += down_bias[e];
-    }
+    // (y * w) rounded, then added in the pairs' order (experts ascending): what the layer's own loop computes
+    auto out = torch::zeros({T, O}, x.options());
+    const auto w = torch::from_blob(scale.data(), {pairs, 1}, torch::kFloat32);
+    out.index_add_(0, torch::from_blob(rows.data(), {pairs}, torch::kInt64), y_all * w);
+    return out;
+  }
+  // a format without a repacked layout here: one expert after the other
+  for (int64_t e : picked) {
+    std::vector<torch::Tensor> parts(gate_up.begin() + e * P, gate_up.begin() + (e + 1) * P);
+    std::vector<int64_t> types(gate_up_types.begin() + e * P, gate_up_types.begin() + (e + 1) * P);
+    std::vector<int64_t> prow(gate_up_rows.begin() + e * P, gate_up_rows.begin() + (e + 1) * P);
+    auto gu_e = linear_ggml_dot(xe[e], parts, types, prow, GU);  // [n, 2 I]
+    if (biased) gu_e += gate_up_bias[e];
+    const auto act = gated(gu_e, alpha, limit);  // [n, I]
+    y[e] = linear_ggml_dot(act, {down[e]}, {down_types[e]}, {down_rows[e]}, O);  // [n, O]
+    if (biased) y[e] += down_bias[e];
   }
   auto out = torch::zeros({T, O}, x.options());
   for (int64_t e : picked) {
