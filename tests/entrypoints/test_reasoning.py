@@ -57,3 +57,42 @@ def test_the_server_returns_reasoning_content_whole_and_streamed() -> None:
         assert content == "Paris" and reasoning.strip("\n") == thought
     finally:
         assert server.stop() == 0
+
+
+@pytest.mark.slow
+def test_tool_calls_in_a_thinking_models_answer_parse_and_those_in_its_thought_do_not() -> None:
+    """A thought that writes a tool call, then an answer that makes one (the default model made to by a regex):
+    the official openai client gets one call, the answer's, whole and streamed; the thought stays reasoning."""
+    import json
+
+    from openai import OpenAI
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    thought = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    regex = "".join("\\" + ch if ch in "{}()[].*+?|^$\\" else ch for ch in f"<think>{thought}</think>\n\n{answer}")
+    server = Server(None, "--reasoning-parser", "qwen3")
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60)
+        kw = dict(model=client.models.list().data[0].id, max_tokens=80, temperature=0, tools=tools,
+                  messages=[{"role": "user", "content": "Weather in Paris?"}],
+                  extra_body={"structured_outputs": {"regex": regex}})
+        choice = client.chat.completions.create(**kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+        assert getattr(choice.message, "reasoning_content", "").strip("\n") == thought
+        names, arguments, reasoning = [], "", ""
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                reasoning += getattr(delta, "reasoning_content", None) or ""
+                for call in delta.tool_calls or []:
+                    names += [call.function.name] if call.function.name else []
+                    arguments += call.function.arguments or ""
+        assert names == ["get_weather"] and json.loads(arguments) == {"city": "Paris"}
+        assert reasoning.strip("\n") == thought
+    finally:
+        assert server.stop() == 0
