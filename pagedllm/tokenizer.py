@@ -1,7 +1,8 @@
 """Tokenizer, chat template and incremental detokenization.
 
-Built on the `tokenizers` library: from a folder's tokenizer.json, or from a GGUF file's
-vocabulary and merges (byte-level BPE). Chat templates render with a sandboxed jinja2 in a bounded child process.
+Built on the `tokenizers` library: from a folder's tokenizer.json, or from a GGUF file's vocabulary (byte-level BPE
+split as its `pre` names, or SentencePiece as transformers' GGUF loader rebuilds it). Chat templates render with a
+sandboxed jinja2 in a bounded child process.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .entrypoints.chat_template import TemplateError, TemplateRenderer
@@ -77,36 +78,27 @@ class Tokenizer:
                    add_bos=False, extra_eos_ids=eos_ids)
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
-        """meta: the tokenizer.ggml.* fields of a GGUF file (byte-level BPE, 'gpt2')."""
+    def from_gguf_metadata(cls, meta: dict, architecture: str | None = None) -> Tokenizer:
+        """meta: the tokenizer.ggml.* fields of a GGUF file: byte-level BPE ('gpt2') or SentencePiece ('llama':
+        Llama 2, Mistral, Phi-3, Gemma; architecture: the file's, whose quirks the vocabulary follows)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
-                 for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        try:
-            tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                         end_of_word_suffix="", fuse_unk=False))
-        except Exception as e:  # tokenizers raises a bare Exception for an inconsistent vocabulary
-            raise ValueError(f"the GGUF's BPE vocabulary and merges do not fit together ({e})") from e
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
-                                for t, ty in zip(tokens, types) if ty == GGUF_CONTROL and set(t) <= alphabet])
-        tok.add_tokens([AddedToken(t, normalized=False, special=False)
-                        for t, ty in zip(tokens, types) if ty == GGUF_USER_DEFINED and t in vocab])
+        tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+        if kind == "gpt2":
+            tok = _byte_level_bpe(meta)
+        elif kind == "llama":
+            tok = _sentencepiece(meta, architecture)
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece "
+                             "'llama')")
 
         def name(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
+        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
         return cls(tok, name("bos_token_id"), name("eos_token_id"), meta.get("tokenizer.chat_template"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+                   add_bos=bool(add_bos))
 
     def save(self, path: Path) -> None:
         self.tok.save(str(path / "tokenizer.json"))
@@ -188,3 +180,55 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.tokens)
         self.text += delta
         return delta
+
+
+def _byte_level_bpe(meta: dict) -> HFTokenizer:
+    """A GGUF's byte-level BPE: tokens in GPT-2's byte spelling, its merges, split first as its `pre` names
+    (Llama 3, Qwen2, gpt-4o, ...: the regexes transformers keeps for them; GPT-2's otherwise)."""
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+             for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                                     end_of_word_suffix="", fuse_unk=False))
+    except Exception as e:  # tokenizers raises a bare Exception for an inconsistent vocabulary
+        raise ValueError(f"the GGUF's BPE vocabulary and merges do not fit together ({e})") from e
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, ty in zip(tokens, types) if ty == GGUF_CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, ty in zip(tokens, types) if ty == GGUF_USER_DEFINED and t in vocab])
+    split = _pre_tokenizer_splits().get(meta.get("tokenizer.ggml.pre"))
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+def _pre_tokenizer_splits() -> dict[str, str]:
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    except ImportError:  # an older transformers: GPT-2's split for every vocabulary
+        return {}
+    return GGUF_PRE_TOKENIZER_SPLITS
+
+
+def _sentencepiece(meta: dict, architecture: str | None) -> HFTokenizer:
+    """A GGUF's SentencePiece vocabulary (tokens, scores, types; merges derived from the scores where the file
+    has none), with its architecture's quirks (Gemma's spelling of space runs, Phi-3's prefix space): built as
+    transformers' GGUF loader builds it, the reference llama.cpp's files are read against."""
+    try:
+        from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+    except ImportError as e:
+        raise ValueError(f"SentencePiece GGUF vocabularies need transformers' GGUF support ({e})") from e
+    d = {"tokenizer_type": "llama", "tokens": meta["tokenizer.ggml.tokens"], "scores": meta.get("tokenizer.ggml.scores"),
+         "token_type": meta.get("tokenizer.ggml.token_type")}
+    if meta.get("tokenizer.ggml.merges"):
+        d["merges"] = meta["tokenizer.ggml.merges"]
+    build = m.GGUF_SENTENCEPIECE_BUILDERS.get(architecture, m.sentencepiece_tokenizer)
+    return m.add_gguf_special_tokens(build(d), d).backend_tokenizer

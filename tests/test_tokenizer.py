@@ -68,3 +68,82 @@ def test_a_gguf_vocabulary_its_merges_do_not_fit_is_a_clear_error():
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["t0", "t1"], "tokenizer.ggml.merges": ["t 0"]}
     with pytest.raises(ValueError, match="vocabulary and merges do not fit"):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def _write_vocab_gguf(path, arch: str, model: str, tokens: list[str], types: list[int], scores=None, merges=None,
+                      pre: str | None = None) -> dict:
+    """A GGUF holding a vocabulary (and the least of a model transformers' reader needs); its tokenizer metadata."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from pagedllm.model_executor.model_loader.gguf import read_gguf_metadata
+    from pagedllm.model_executor.model_loader.gguf_file import open_gguf
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(8)
+    w.add_head_count(1)
+    w.add_context_length(64)
+    w.add_tokenizer_model(model)
+    if pre:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    if merges is not None:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {k: v for k, v in read_gguf_metadata(open_gguf(path)).items() if k.startswith("tokenizer.")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_a_sentencepiece_gguf_vocabulary_tokenizes_as_transformers_reads_it(tmp_path, arch):
+    """tokenizer.ggml.model 'llama' (Llama 2, Mistral, Phi-3, Gemma): merges recovered from the scores, byte
+    fallback, each architecture's handling of leading and repeated spaces, BOS added as llama.cpp does."""
+    from transformers import AutoTokenizer
+
+    pieces = ["▁", "t", "h", "e", "c", "a", "s", "i", "o", "n", "▁t", "he", "▁the", "at", "▁c", "▁cat", "▁is", "is",
+              "on", "▁on", "▁a", "▁mat", "ma", "mat", "m", "."]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    meta = _write_vocab_gguf(tmp_path / f"{arch}.gguf", arch, "llama", tokens, [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+                             scores=[0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    ours = Tokenizer.from_gguf_metadata(meta, arch)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf")
+    for text in ["the cat is on the mat.", " the  cat", "hé ☃ x"]:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text) and ids[0] == 1, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_a_byte_level_gguf_vocabulary_splits_as_its_pre_tokenizer_names():
+    """`tokenizer.ggml.pre` 'llama-bpe' (Llama 3): digits split in threes before the merges, as transformers reads
+    the file; GPT-2's split (no `pre`) keeps the run whole."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from pagedllm.tokenizer import _bytes_to_unicode
+
+    alphabet = list(_bytes_to_unicode().values())
+    merges = ["1 2", "12 3", "123 4", "4 5"]
+    tokens = ["<unk>", "<s>", "</s>", *alphabet, "12", "123", "1234", "45"]
+    types = [2, 3, 3] + [1] * (len(tokens) - 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        llama3 = _write_vocab_gguf(Path(tmp) / "l3.gguf", "llama", "gpt2", tokens, types, merges=merges, pre="llama-bpe")
+        gpt2 = _write_vocab_gguf(Path(tmp) / "g2.gguf", "llama", "gpt2", tokens, types, merges=merges)
+        hf = AutoTokenizer.from_pretrained(tmp, gguf_file="l3.gguf")
+        ours = Tokenizer.from_gguf_metadata(llama3, "llama")
+        ids = ours.encode("12345", add_special_tokens=False)
+        assert [ours.decode([i]) for i in ids] == ["123", "45"]
+        assert ids == hf.encode("12345", add_special_tokens=False)
+        plain = Tokenizer.from_gguf_metadata(gpt2, "llama")
+        assert [plain.decode([i]) for i in plain.encode("12345", add_special_tokens=False)] == ["1234", "5"]

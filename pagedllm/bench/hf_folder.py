@@ -57,7 +57,7 @@ def gguf_to_hf_folder(path: Path) -> Path:
         save_file(sd, str(tmp / "model.safetensors"))
         tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
         try:
-            Tokenizer.from_gguf_metadata(tok_meta).save(tmp)
+            Tokenizer.from_gguf_metadata(tok_meta, meta.get("general.architecture")).save(tmp)
         except ValueError as e:
             log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))  # written last: marks completion

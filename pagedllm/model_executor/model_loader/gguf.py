@@ -236,7 +236,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         log.warning("no C++ kernels: the GGUF's quantized weights are dequantized to %s", tdtype)
     tok_meta = {k: v for k, v in f.meta.items() if k.startswith("tokenizer.")}
     try:
-        tok = Tokenizer.from_gguf_metadata(tok_meta)
+        tok = Tokenizer.from_gguf_metadata(tok_meta, f.meta.get("general.architecture"))
     except ValueError as e:
         log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
         tok = None
