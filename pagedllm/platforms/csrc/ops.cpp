@@ -195,7 +195,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_repacks", &ggml_repacks, "whether this CPU runs a ggml type repacked into 16-row groups");
   m.def("repack_ggml", &repack_ggml, "[O, row_bytes] -> 16-row groups [ceil(O / 16), K / 32, bytes] (Q4_0 Q4_1 Q8_0)");
   m.def("linear_ggml_isa", &linear_ggml_isa, "the instruction set linear_ggml's integer dot was compiled for");
-  py::class_<MoeExperts>(m, "MoeExperts", "a MoE layer's ggml-format experts held once; call with (x, ids, wts)")
+  // module_local: the fallback-ISA builds (tests) load beside this one, each with its own MoeExperts
+  py::class_<MoeExperts>(m, "MoeExperts", py::module_local(),
+                         "a MoE layer's ggml-format experts held once; call with (x, ids, wts)")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t,
                     std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, double, double>())
