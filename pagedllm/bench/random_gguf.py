@@ -26,8 +26,9 @@ class Shape:
     vocab: int
     context: int = 4096
     rope_theta: float = 10000.0
-    # the GGUF architecture: llama, qwen3 (q/k norms), qwen3moe (q/k norms, experts) or gpt-oss (experts, biases,
-    # attention sinks, sliding-window layers, YaRN)
+    # the GGUF architecture: llama, qwen3 (q/k norms), qwen3moe (q/k norms, experts), gemma3 (q/k norms, norms
+    # after attention and MLP, 1024-token windows on five layers in six) or gpt-oss (experts, biases, attention
+    # sinks, sliding-window layers, YaRN)
     arch: str = "llama"
     head_dim: int | None = None  # None: hidden / heads
     experts: int = 0  # per layer, in place of the dense MLP
@@ -44,6 +45,8 @@ SHAPES = {
     "tiny-gpt-oss": Shape(256, 512, 2, 4, 2, 320, 1024, 150000.0, "gpt-oss", 64, 8, 2, 256),
     # 32 experts of 2880, 4 routed a token: ~21B weights, ~3.6B active (SmolLM2's vocabulary, not its 201k one)
     "gpt-oss-20b": Shape(2880, 2880, 24, 64, 8, 49152, 4096, 150000.0, "gpt-oss", 64, 32, 4, 2880),
+    # Gemma 3 4B's text model: head_dim 256 (SmolLM2's vocabulary, not Gemma's 262k)
+    "gemma3-4b": Shape(2560, 10240, 34, 8, 4, 49152, 8192, 1e6, "gemma3", 256),
 }
 _QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
@@ -138,6 +141,8 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
+    if shape.arch == "gemma3":
+        w.add_sliding_window(1024)
     if shape.experts:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
@@ -169,9 +174,12 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
         add(p + "attn_k.weight", kv, shape.hidden)
         add(p + "attn_v.weight", kv, shape.hidden)
         add(p + "attn_output.weight", shape.hidden, q)
-        if shape.arch in ("qwen3", "qwen3moe"):
+        if shape.arch in ("qwen3", "qwen3moe", "gemma3"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
+        if shape.arch == "gemma3":
+            norm(p + "post_attention_norm.weight")
+            norm(p + "post_ffw_norm.weight")
         if oss:
             for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", shape.hidden)):
                 norm(f"{p}{name}.bias", n)
