@@ -83,10 +83,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
             if p + "gate_up_proj_blocks" in sd:
                 gate_up = _mxfp4_rows(sd.pop(p + "gate_up_proj_blocks"), sd.pop(p + "gate_up_proj_scales"))
                 down = _mxfp4_rows(sd.pop(p + "down_proj_blocks"), sd.pop(p + "down_proj_scales"))
-                for e, (gu, dn) in enumerate(zip(gate_up, down)):
-                    gate = BlockRows(gu.data[0::2], gu.fmt, gu.in_features)
-                    sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate, BlockRows(
-                        gu.data[1::2], gu.fmt, gu.in_features)
+                for e, (gu, dn) in enumerate(zip(gate_up, down)):  # gate and up rows alternate
+                    sd[f"{p}{e}.gate_proj.weight"] = BlockRows(gu.data[0::2], gu.fmt, gu.in_features)
+                    sd[f"{p}{e}.up_proj.weight"] = BlockRows(gu.data[1::2], gu.fmt, gu.in_features)
                     sd[f"{p}{e}.down_proj.weight"] = dn
             elif p + "gate_up_proj" in sd:
                 gate_up, down = sd.pop(p + "gate_up_proj"), sd.pop(p + "down_proj")
