@@ -84,7 +84,6 @@ class Ops:
     repack_ggml: object
     mask_rows_: object
     shared_prefix_groups: object
-    moe_ggml: object
     MoeExperts: type  # the extension's class, as it names it
 
 
@@ -195,7 +194,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16,
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.moe_ggml, mod.MoeExperts)
+               mod.mask_rows_, mod.shared_prefix_groups, mod.MoeExperts)
 
 
 @cache  # one build per process: the compiled library never changes once loaded

@@ -169,7 +169,7 @@ class CpuKernels(_QKNorm):
 
 
 def _ggml_expert_args(moe: nn.Module) -> tuple | None:
-    """moe_ggml's weight lists for a layer whose experts are all GGML weights with the same number of gate_up parts,
+    """MoeExperts' weight lists for a layer whose experts are all GGML weights with the same number of gate_up parts,
     with biases on all or none of them, and a SwiGLU (plain or clamped); None otherwise."""
     from .weight_formats import GGMLWeight
 

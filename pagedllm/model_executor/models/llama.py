@@ -49,9 +49,10 @@ def rope_attention_scale(cfg: ModelConfig) -> torch.Tensor:
         attention = s.get("attention_factor")
         if attention is None and kind == "longrope":
             attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+        elif attention is None and s.get("mscale") and s.get("mscale_all_dim"):
+            attention = _yarn_mscale(factor, s["mscale"]) / _yarn_mscale(factor, s["mscale_all_dim"])
         elif attention is None:
-            attention = _yarn_mscale(factor, s.get("mscale") or 1) / _yarn_mscale(factor, s.get("mscale_all_dim") or 1) \
-                if s.get("mscale") and s.get("mscale_all_dim") else _yarn_mscale(factor)
+            attention = _yarn_mscale(factor)
         scale[:n_rot] = attention
     return scale
 

@@ -155,14 +155,16 @@ torch::Tensor MoeExperts::operator()(torch::Tensor x, torch::Tensor ids, torch::
   int64_t GU = 0;  // the experts' gate_up outputs (2 I), alike
   for (int64_t e : picked) {
     const int64_t lo = count[e], n = count[e + 1] - lo;
-    idx[e] = torch::from_blob(rows.data() + lo, {n}, torch::kInt64);
     int64_t gu_rows = 0;
     for (int64_t p = e * P; p < (e + 1) * P; ++p) gu_rows += gate_up_rows[p];
     TORCH_CHECK(GU == 0 || gu_rows == GU, "moe_ggml: experts' gate_up projections differ in outputs");
     GU = gu_rows;
     TORCH_CHECK(!biased || (gate_up_bias[e].numel() == GU && down_bias[e].numel() == O),
                 "moe_ggml: expert ", e, "'s biases do not match its outputs");
-    if (!x16) xe[e] = n == T && T == 1 ? x : x.index_select(0, idx[e]);  // [n, K]
+    if (!x16) {
+      idx[e] = torch::from_blob(rows.data() + lo, {n}, torch::kInt64);
+      xe[e] = n == T && T == 1 ? x : x.index_select(0, idx[e]);  // [n, K]
+    }
   }
   const int64_t pairs = T * k;
   if (x16) {  // every picked expert repacked: each stage is one parallel region over all their 16-row groups
@@ -174,10 +176,11 @@ torch::Tensor MoeExperts::operator()(torch::Tensor x, torch::Tensor ids, torch::
     auto gu_all = torch::empty({pairs, GU}, x.options());
     for (int64_t e : picked) {
       const int64_t lo = count[e], n = count[e + 1] - lo;
-      a[e] = n == T && T == 1 ? ax : select_rows(ax, rows.data() + lo, n);
+      const X16Act* ae = &ax;  // an expert every token picked takes the batch's rows in order: ax itself
+      if (n < T) ae = &(a[e] = select_rows(ax, rows.data() + lo, n));
       int64_t col0 = 0;
       for (int64_t p = e * P; p < (e + 1) * P; ++p) {
-        jobs.push_back({&gate_up[p], gate_up_types[p] - kX16, gate_up_rows[p], GU, &a[e], n,
+        jobs.push_back({&gate_up[p], gate_up_types[p] - kX16, gate_up_rows[p], GU, ae, n,
                         gu_all.data_ptr<float>() + lo * GU + col0,
                         biased ? gate_up_bias[e].data_ptr<float>() + col0 : nullptr});
         col0 += gate_up_rows[p];
@@ -221,12 +224,3 @@ torch::Tensor MoeExperts::operator()(torch::Tensor x, torch::Tensor ids, torch::
   return out;
 }
 
-torch::Tensor moe_ggml(torch::Tensor x, torch::Tensor ids, torch::Tensor wts, std::vector<torch::Tensor> gate_up,
-                       std::vector<int64_t> gate_up_types, std::vector<int64_t> gate_up_rows, int64_t parts_per_expert,
-                       std::vector<torch::Tensor> down, std::vector<int64_t> down_types, std::vector<int64_t> down_rows,
-                       std::vector<torch::Tensor> gate_up_bias, std::vector<torch::Tensor> down_bias, double alpha,
-                       double limit) {
-  return MoeExperts(std::move(gate_up), std::move(gate_up_types), std::move(gate_up_rows), parts_per_expert,
-                    std::move(down), std::move(down_types), std::move(down_rows), std::move(gate_up_bias),
-                    std::move(down_bias), alpha, limit)(x, ids, wts);
-}

@@ -202,7 +202,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, double, double>())
       .def("__call__", &MoeExperts::operator());
-  m.def("moe_ggml", &moe_ggml, "a mixture-of-experts MLP over ggml-format experts: each picked expert once on its "
-        "tokens, weighted and summed (fp32, CPU)");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
 }
