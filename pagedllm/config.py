@@ -61,6 +61,9 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # layers grouped by attention kind, each group with its own block tables: sliding-window layers keep only
+    # their window (kv_spec.plan_kv_layout); False: every layer keeps K/V for every token
+    hybrid_kv_cache: bool = True
     preemption_mode: str = "recompute"  # or "reserve": reserve prompt+max_tokens, never preempt
     watermark: float = 0.01  # fraction of blocks admission keeps free
     num_threads: int | None = None

@@ -15,6 +15,11 @@ and leaves the decision (wait, preempt) to the scheduler.
 * Copy-on-write: forks share blocks by ref count; before a sequence writes into a shared,
   partially filled block, that block is copied into a fresh one (the copy is returned for the
   model runner to perform).
+* Groups (kv_spec.plan_kv_layout): each group of layers has its own table per request, all drawn
+  from this one pool. A sliding-window group's table entries before the window of the next token
+  become NULL_BLOCK and their blocks go back to the pool (cached, so a later prompt can still hit
+  them). Cache keys carry the group, and a prefix hit needs, in every group, the blocks that the
+  prompt's next token reads: all of them in a full-attention group, its window's in a sliding one.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from .kv_spec import NULL_BLOCK
 
 
 @dataclass
@@ -117,18 +124,25 @@ class Blocks:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 windows: Sequence[int | None] = (None,)) -> None:
+        """windows: each group's sliding window (None: full attention), as kv_spec.KVLayout.windows."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"need one or more groups with windows >= 1 (or None), got {list(windows)}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = list(windows)
         self.blocks = Blocks(num_blocks)
         self.free_queue = FreeQueue(num_blocks)
         self.cached: dict[bytes, int] = {}
-        self.tables: dict[str, list[int]] = {}
+        self.group_tables: list[dict[str, list[int]]] = [{} for _ in self.windows]
+        self.tables = self.group_tables[0]
         self._hashes: dict[str, list[bytes]] = {}  # chained keys of each request's full blocks
-        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
+        # leading blocks of each group's table already offered to the cache
+        self._num_registered: list[dict[str, int]] = [{} for _ in self.windows]
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -146,6 +160,26 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _first_needed(self, g: int, num_computed: int) -> int:
+        """The first block of group g that a token at position num_computed (or later) still reads."""
+        w = self.windows[g]
+        return 0 if w is None else max(0, num_computed - w + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of num_tokens ever holds at once, over all groups, computing at most
+        chunk tokens a step: a request needing more than the pool could never run alone."""
+        total = 0
+        for w in self.windows:
+            need = self.blocks_needed(num_tokens)
+            if w is not None:  # its window behind the first new token, the chunk, one block of misalignment
+                need = min(need, self.blocks_needed(w - 1 + chunk) + 1)
+            total += need
+        return total
+
+    def blocks_by_group(self) -> list[int]:
+        """Distinct blocks held in each group's tables."""
+        return [len({b for t in tables.values() for b in t if b != NULL_BLOCK}) for tables in self.group_tables]
+
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
@@ -161,20 +195,43 @@ class BlockManager:
 
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
                             salt: str | None = None) -> list[int]:
-        """Cached blocks holding a prefix of token_ids. Never the whole prompt: the last token
-        is always left to compute, so there are logits to sample from."""
+        """The first group's prefix-cache hits (prefix_hits)."""
+        return self.prefix_hits(request_id, token_ids, salt)[0]
+
+    def prefix_hits(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[list[int]]:
+        """Each group's cached blocks for the longest prefix of token_ids that every group can serve, all of
+        equal length (a sliding group's entries before its window are NULL_BLOCK). Never the whole prompt:
+        the last token is always left to compute, so there are logits to sample from."""
         if not self.enable_caching:
-            return []
+            return [[] for _ in self.windows]
         num_full = (len(token_ids) - 1) // self.block_size
         hashes = self._extend_hashes(request_id, token_ids, num_full, salt)
-        hits: list[int] = []
+        n = num_full
+        for g, w in enumerate(self.windows):  # full groups: a run of hits from the start
+            if w is None:
+                n = next((i for i in range(n) if self._hit(g, i, hashes, token_ids) is None), n)
+
+        def windows_hit(n: int) -> bool:  # sliding groups: the blocks the next token reads, from the last back
+            return all(w is None or all(self._hit(g, i, hashes, token_ids) is not None
+                                        for i in range(n - 1, self._first_needed(g, n * self.block_size) - 1, -1))
+                       for g, w in enumerate(self.windows))
+
+        while n > 0 and not windows_hit(n):
+            n -= 1
+        first = [self._first_needed(g, n * self.block_size) for g in range(len(self.windows))]
+        return [[NULL_BLOCK] * first[g] + [self._hit(g, i, hashes, token_ids) for i in range(first[g], n)]
+                for g in range(len(self.windows))]
+
+    @staticmethod
+    def _key(h: bytes, g: int) -> bytes:
+        return h if g == 0 else h + bytes((g,))
+
+    def _hit(self, g: int, i: int, hashes: list[bytes], token_ids: Sequence[int]) -> int | None:
         bs = self.block_size
-        for i in range(num_full):
-            bid = self.cached.get(hashes[i])
-            if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
-                break
-            hits.append(bid)
-        return hits
+        bid = self.cached.get(self._key(hashes[i], g))
+        if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+            return None
+        return bid
 
     # ---- allocation ----------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -188,6 +245,15 @@ class BlockManager:
         blk.ref_cnt = 1
         return bid
 
+    def _release(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        blk.ref_cnt -= 1
+        if blk.ref_cnt == 0:
+            if blk.block_hash is None:
+                self.free_queue.push_front(bid)
+            else:
+                self.free_queue.push_back(bid)
+
     def _touch(self, bid: int) -> None:
         blk = self.blocks[bid]
         if blk.ref_cnt == 0:
@@ -195,112 +261,135 @@ class BlockManager:
         blk.ref_cnt += 1
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed: int,
-                       num_new: int, computed_blocks: Sequence[int] = (), num_lookahead: int = 0,
+                       num_new: int, computed_blocks: Sequence[Sequence[int]] = (), num_lookahead: int = 0,
                        salt: str | None = None, reserve_free: int = 0
                        ) -> list[tuple[int, int]] | None:
-        """Make room for num_new tokens after num_computed (which includes computed_blocks, the
-        prefix-cache hits of a newly admitted request). Returns the (src, dst) block copies the
-        model runner must do first (copy-on-write), or None if the pool cannot serve it while
-        keeping reserve_free blocks free. On None nothing has changed."""
+        """Make room for num_new tokens after num_computed (which includes computed_blocks, each group's
+        prefix-cache hits of a newly admitted request, as prefix_hits gives them). Returns the (src, dst)
+        block copies the model runner must do first (copy-on-write), or None if the pool cannot serve it
+        while keeping reserve_free blocks free. Blocks that left a sliding window are released first, as
+        they would be on any call; on None nothing else has changed."""
         bs = self.block_size
-        table = self.tables.get(request_id, [])
         total = num_computed + num_new + num_lookahead
-        n_have = len(table) + len(computed_blocks)
-        n_new_blocks = max(0, self.blocks_needed(total) - n_have)
-        # copy-on-write: writing into a shared, partially filled last block
-        cow_idx = -1
-        if num_new > 0 and num_computed % bs and num_computed // bs < len(table):
-            idx = num_computed // bs
-            if self.blocks[table[idx]].ref_cnt > 1:
-                cow_idx = idx
-                n_new_blocks += 1
-        n_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        if n_new_blocks + n_revived > self.num_free_blocks - reserve_free:
+        for g in range(len(self.windows)):
+            self._leave_window(g, request_id, num_computed)
+        plans = []  # per group: (table, hits, new blocks, copy-on-write index)
+        need = 0
+        for g in range(len(self.windows)):
+            table = self.group_tables[g].get(request_id, [])
+            hits = computed_blocks[g] if computed_blocks else ()
+            n_new_blocks = max(0, self.blocks_needed(total) - len(table) - len(hits))
+            # copy-on-write: writing into a shared, partially filled last block
+            cow_idx = -1
+            if num_new > 0 and num_computed % bs and num_computed // bs < len(table):
+                idx = num_computed // bs
+                if self.blocks[table[idx]].ref_cnt > 1:
+                    cow_idx = idx
+                    n_new_blocks += 1
+            need += n_new_blocks + sum(1 for b in hits if b != NULL_BLOCK and self.blocks[b].ref_cnt == 0)
+            plans.append((table, hits, n_new_blocks, cow_idx))
+        if need > self.num_free_blocks - reserve_free:
             return None
 
-        table = self.tables.setdefault(request_id, table)
-        for bid in computed_blocks:
-            self._touch(bid)
-            table.append(bid)
+        for g, (table, hits, _, _) in enumerate(plans):  # every group's hits first: no new block may evict one
+            table = self.group_tables[g].setdefault(request_id, table)
+            for bid in hits:
+                if bid != NULL_BLOCK:
+                    self._touch(bid)
+                table.append(bid)
         copies: list[tuple[int, int]] = []
-        if cow_idx >= 0:
-            src = table[cow_idx]
-            dst = self._take_free()
-            self.blocks[src].ref_cnt -= 1
-            table[cow_idx] = dst
-            copies.append((src, dst))
-            n_new_blocks -= 1
-        for _ in range(n_new_blocks):
-            table.append(self._take_free())
-        if self.enable_caching:
-            self._cache_full_blocks(request_id, token_ids, num_computed + num_new, salt)
+        for g, (_, _, n_new_blocks, cow_idx) in enumerate(plans):
+            table = self.group_tables[g][request_id]
+            if cow_idx >= 0:
+                src = table[cow_idx]
+                dst = self._take_free()
+                self.blocks[src].ref_cnt -= 1
+                table[cow_idx] = dst
+                copies.append((src, dst))
+                n_new_blocks -= 1
+            for _ in range(n_new_blocks):
+                table.append(self._take_free())
+            if self.enable_caching:
+                self._cache_full_blocks(g, request_id, token_ids, num_computed + num_new, salt)
         return copies
 
-    def _cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+    def _leave_window(self, g: int, request_id: str, num_computed: int) -> None:
+        """Release the blocks of group g's table that no token from num_computed on reads."""
+        table = self.group_tables[g].get(request_id)
+        if not table or self.windows[g] is None:
+            return
+        for i in range(min(self._first_needed(g, num_computed), len(table)) - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break  # entries before it were released earlier
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+
+    def _cache_full_blocks(self, g: int, request_id: str, token_ids: Sequence[int], num_tokens: int,
                            salt: str | None) -> None:
         bs = self.block_size
         num_full = min(num_tokens, len(token_ids)) // bs
         hashes = self._extend_hashes(request_id, token_ids, num_full, salt)
-        table = self.tables[request_id]
-        for i in range(self._num_registered.get(request_id, 0), num_full):
+        table = self.group_tables[g][request_id]
+        registered = self._num_registered[g]
+        for i in range(registered.get(request_id, 0), num_full):
+            if table[i] == NULL_BLOCK:
+                continue
             blk = self.blocks[table[i]]
             if blk.block_hash is not None:
                 continue
-            blk.block_hash = hashes[i]
+            blk.block_hash = self._key(hashes[i], g)
             blk.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
             # a block with the same content computed concurrently keeps the first mapping
-            self.cached.setdefault(hashes[i], blk.block_id)
-        self._num_registered[request_id] = max(num_full, self._num_registered.get(request_id, 0))
+            self.cached.setdefault(blk.block_hash, blk.block_id)
+        registered[request_id] = max(num_full, registered.get(request_id, 0))
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares all the parent's blocks (copy-on-write on the partial one)."""
         if child_id in self.tables:
             raise ValueError(f"request {child_id!r} already has blocks")
-        table = list(self.tables.get(parent_id, []))
-        for bid in table:
-            self.blocks[bid].ref_cnt += 1
-        self.tables[child_id] = table
+        for g, tables in enumerate(self.group_tables):
+            table = list(tables.get(parent_id, []))
+            for bid in table:
+                if bid != NULL_BLOCK:
+                    self.blocks[bid].ref_cnt += 1
+            tables[child_id] = table
+            self._num_registered[g][child_id] = self._num_registered[g].get(parent_id, 0)
         self._hashes[child_id] = list(self._hashes.get(parent_id, []))
-        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, last block first (longest prefixes are evicted first)."""
-        table = self.tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
-        self._num_registered.pop(request_id, None)
-        for bid in reversed(table):
-            blk = self.blocks[bid]
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                if blk.block_hash is None:
-                    self.free_queue.push_front(bid)
-                else:
-                    self.free_queue.push_back(bid)
+        for g, tables in enumerate(self.group_tables):
+            self._num_registered[g].pop(request_id, None)
+            for bid in reversed(tables.pop(request_id, [])):
+                if bid != NULL_BLOCK:
+                    self._release(bid)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Keep only the blocks holding the first num_tokens slots (speculative decoding: rejected
         proposals' slots are rolled back). A freed block held proposals only, which never hash
         (only verified tokens are offered to the cache); any hash is cleared all the same, so a
         rolled-back block can never be hit."""
-        table = self.tables.get(request_id)
-        if not table:
-            return
         keep = self.blocks_needed(num_tokens)
-        while len(table) > keep:
-            bid = table.pop()
-            blk = self.blocks[bid]
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                if blk.block_hash is not None and self.cached.get(blk.block_hash) == bid:
-                    del self.cached[blk.block_hash]
-                blk.block_hash = None
-                blk.token_ids = None
-                self.free_queue.push_front(bid)
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(request_id)
+            while table and len(table) > keep:
+                bid = table.pop()
+                if bid == NULL_BLOCK:
+                    continue
+                blk = self.blocks[bid]
+                blk.ref_cnt -= 1
+                if blk.ref_cnt == 0:
+                    if blk.block_hash is not None and self.cached.get(blk.block_hash) == bid:
+                        del self.cached[blk.block_hash]
+                    blk.block_hash = None
+                    blk.token_ids = None
+                    self.free_queue.push_front(bid)
+            if self._num_registered[g].get(request_id, 0) > num_tokens // self.block_size:
+                self._num_registered[g][request_id] = num_tokens // self.block_size
         hashes = self._hashes.get(request_id)
         if hashes is not None and len(hashes) > num_tokens // self.block_size:
             del hashes[num_tokens // self.block_size:]
-        if self._num_registered.get(request_id, 0) > num_tokens // self.block_size:
-            self._num_registered[request_id] = num_tokens // self.block_size
 
     def reset_prefix_cache(self) -> None:
         for bid in self.free_queue.used():
@@ -331,13 +420,16 @@ class BlockManager:
         state = np.where(ref > 1, 3, np.where(ref > 0, 2, 0))
         cached = [bid for bid in self.free_queue.used() if blocks[bid].block_hash is not None]
         state[cached] = 1
-        tables = [self.tables.get(rid) or [] for rid in order]
+        # every group's table of each request, one after another (index: the position in its own table)
+        tables = [tables.get(rid) or [] for rid in order for tables in self.group_tables]
         lens = np.array(list(map(len, tables)), dtype=np.int64)
         bids = np.array(list(itertools.chain.from_iterable(tables)), dtype=np.int64)
-        req = np.repeat(np.arange(len(tables)), lens)  # [entries] holder of each table entry
+        req = np.repeat(np.arange(len(tables)) // len(self.group_tables), lens)  # [entries] holder of each entry
         pos = np.arange(len(bids)) - np.repeat(np.cumsum(lens) - lens, lens)  # [entries] index in its table
-        computed = np.array([num_computed.get(rid, 0) for rid in order], dtype=np.int64)
+        computed = np.array([num_computed.get(rid, 0) for rid in order for _ in self.group_tables], dtype=np.int64)
         k = np.clip(np.repeat(computed, lens) - pos * bs, 0, bs)  # [entries] slots of that block it filled
+        live = bids != NULL_BLOCK
+        bids, req, pos, k = bids[live], req[live], pos[live], k[live]
         fill = np.zeros(len(blocks), dtype=np.int64)
         np.maximum.at(fill, bids, k)
         owner = np.full(len(blocks), -1, dtype=np.int64)
@@ -357,7 +449,9 @@ class BlockManager:
         filled: dict[int, int] = {}
         bs = self.block_size
         for rid, n in num_computed.items():
-            for i, bid in enumerate(self.tables.get(rid, [])):
+            for i, bid in ((i, b) for tables in self.group_tables for i, b in enumerate(tables.get(rid, []))):
+                if bid == NULL_BLOCK:
+                    continue
                 k = min(bs, max(0, n - i * bs))
                 if k > filled.get(bid, 0):
                     filled[bid] = k

@@ -80,9 +80,11 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) = {total} "
                 f"exceeds max_model_len ({self.max_model_len})")
-        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+        need = (len(self.bm.windows) * self.bm.blocks_needed(total) if self.reserve
+                else self.bm.max_blocks_held(total, self.max_num_batched_tokens))
+        if need > self.bm.num_blocks:
             raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens needs {self.bm.blocks_needed(total)} KV blocks, "
+                f"prompt + max_tokens = {total} tokens needs {need} KV blocks, "
                 f"more than the whole pool ({self.bm.num_blocks} blocks of {self.bm.block_size} tokens)")
         if not self.chunked and req.num_prompt_tokens > self.max_num_batched_tokens:
             raise InvalidRequestError(
@@ -211,8 +213,8 @@ class Scheduler:
             if len(self.running) + group > self.max_num_seqs and self.running:
                 break
             tokens = req.all_token_ids
-            hits = self.bm.get_computed_blocks(req.request_id, tokens, req.cache_salt)
-            num_cached = len(hits) * self.bm.block_size
+            hits = self.bm.prefix_hits(req.request_id, tokens, req.cache_salt)
+            num_cached = len(hits[0]) * self.bm.block_size
             num_new = len(tokens) - num_cached
             if num_new > budget and not self.chunked:
                 break

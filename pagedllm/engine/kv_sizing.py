@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig, parse_size
-from ..core.kv_spec import KVSpec, group_layers
+from ..core.kv_spec import KVLayout, KVSpec, group_layers, plan_kv_layout
 from ..errors import ConfigError
 from ..model_executor.kv_cache import KVCache
 from ..model_executor.models.config import ModelConfig
@@ -68,13 +68,18 @@ def check_fits_in_memory(num_blocks: int, bytes_per_block: int) -> None:
 
 
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype, specs: list[KVSpec],
-                 draft_specs: list[KVSpec] | None = None) -> KVPoolSize:
+                 draft_specs: list[KVSpec] | None = None, layout: KVLayout | None = None) -> KVPoolSize:
     """specs: the model's layers as this rank holds them (each rank holds its heads' share of every block);
-    draft_specs: a draft model's, whose pool mirrors the target's block for block."""
+    draft_specs: a draft model's, whose pool mirrors the target's block for block; layout: how the layers
+    share blocks (None: one group, a block holds a token range of every layer). A block is one page of
+    the layout's slots, whichever group holds it."""
     kv_dtype, cache_cls = kv_storage(config.kv_cache_dtype, model_dtype)
     bs = config.block_size
     world = config.tensor_parallel_size
-    bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in specs)
+    layout = layout or plan_kv_layout(specs, hybrid=False)
+    slot_specs = {slot: specs[i] for i, slot in reversed(list(enumerate(layout.slot_of_layer)))}
+    bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype)
+                          for s in slot_specs.values())
     bytes_per_token += sum(cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in draft_specs or [])
     bytes_per_block = bytes_per_token * bs
     num_blocks = num_blocks_for(config, bytes_per_block)

@@ -11,6 +11,7 @@ import torch
 
 from ..config import EngineConfig
 from ..core.block_manager import BlockManager
+from ..core.kv_spec import plan_kv_layout
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
 from ..errors import InvalidRequestError
@@ -50,16 +51,20 @@ class LLMEngine:
         draft = None
         if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
             draft = self.executor.load_draft_model(self.spec.model)
-        size = size_kv_pool(config, mc, loaded.dtype, loaded.model.kv_specs(),
-                            draft.model.kv_specs() if draft is not None else None)
+        specs = loaded.model.kv_specs()
+        layout = plan_kv_layout(specs, config.hybrid_kv_cache)
+        if draft is not None and layout.groups[0].sliding_window is not None:  # the draft mirrors the first group
+            layout = plan_kv_layout(specs, hybrid=False)
+        size = size_kv_pool(config, mc, loaded.dtype, specs, draft.model.kv_specs() if draft is not None else None,
+                            layout)
         num_blocks, bs, kv_dtype, cache_cls = size.num_blocks, size.block_size, size.kv_dtype, size.cache_cls
         self.max_model_len = max_len = size.max_model_len
         self.kv_bytes_per_token, self.bytes_per_block = size.bytes_per_token, size.bytes_per_block
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, layout.windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark)
-        self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls)
+        self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls, layout)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -151,7 +156,7 @@ class LLMEngine:
             return []
         self.num_steps += 1
         if self.draft is not None:
-            self.draft.run(sched, self.block_manager.tables)
+            self.draft.run(sched, self.block_manager.group_tables)
         res = self.execute(sched)
         # from here on, an exception is one request's: its group is aborted alone (failed), the batch goes on
         failed: dict[str, BaseException] = {}
@@ -222,7 +227,7 @@ class LLMEngine:
     def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> StepResult:
         """Run a scheduled step on every rank (tensor-parallel workers on their shards, with the tables of
         requests gone since the last step dropped); the driver's logits come back."""
-        return self.executor.execute_model(sched, self.block_manager.tables, all_logits)
+        return self.executor.execute_model(sched, self.block_manager.group_tables, all_logits)
 
     def free_blocks(self, request_id: str) -> None:
         """Free the blocks of work run outside the scheduler (scoring a text), on every rank."""

@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false",
+                   help="every layer keeps K/V for every token (by default sliding-window layers keep their window)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "reserve"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
@@ -36,7 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-               "enable_chunked_prefill", "preemption_mode", "seed", "num_threads", "speculative_config",
+               "enable_chunked_prefill", "hybrid_kv_cache", "preemption_mode", "seed", "num_threads", "speculative_config",
                "tensor_parallel_size")
 
 

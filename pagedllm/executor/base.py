@@ -6,15 +6,14 @@ load their shards, mirror the block tables and run every step beside the driver.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from ..config import EngineConfig
+from ..core.kv_spec import KVLayout
 from ..core.scheduler import SchedulerOutput
 from ..distributed import TPGroup
 from ..model_executor.model_loader import LoadedModel, load_model
-from ..model_executor.model_runner import Batch, ModelRunner, StepResult
+from ..model_executor.model_runner import Batch, ModelRunner, StepResult, Tables
 
 
 class Executor:
@@ -32,12 +31,12 @@ class Executor:
         return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry)
 
     def init_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      cache_cls: type) -> ModelRunner:
+                      cache_cls: type, layout: KVLayout | None = None) -> ModelRunner:
         """The KV pool (every rank's share of it) and the runner over it."""
-        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls)
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls, layout)
         return self.runner
 
-    def execute_model(self, sched: SchedulerOutput, tables: Mapping[str, list[int]],
+    def execute_model(self, sched: SchedulerOutput, tables: Tables,
                       all_logits: bool = False) -> StepResult:
         return self.runner.execute(sched, tables, all_logits=all_logits)
 
@@ -50,7 +49,7 @@ class Executor:
         """The draft's KV pool mirrors the target's block for block (the same tables address both)."""
         self.draft_runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls)
 
-    def execute_draft(self, batch: Batch, tables: Mapping[str, list[int]], want_logits: bool = True) -> StepResult:
+    def execute_draft(self, batch: Batch, tables: Tables, want_logits: bool = True) -> StepResult:
         return self.draft_runner.execute_batch(batch, tables, want_logits=want_logits)
 
     def forget(self, request_id: str) -> None:

@@ -47,17 +47,18 @@ class StepPlan:
     block-table tails from their first changed entry, copies, and finished requests."""
 
     work: list[BatchItem] = field(default_factory=list)
-    tables: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    tables: list[tuple[int, str, int, list[int]]] = field(default_factory=list)  # (group, request, at, tail)
     copies: list[tuple[int, int]] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
     all_logits: bool = False
 
 
-def apply_tables(tables: dict[str, list[int]], plan: StepPlan) -> None:
+def apply_tables(tables: list[dict[str, list[int]]], plan: StepPlan) -> None:
     for rid in plan.gone:
-        tables.pop(rid, None)
-    for rid, at, tail in plan.tables:
-        t = tables.setdefault(rid, [])
+        for group in tables:
+            group.pop(rid, None)
+    for g, rid, at, tail in plan.tables:
+        t = tables[g].setdefault(rid, [])
         del t[at:]
         t.extend(tail)
 
@@ -94,9 +95,9 @@ def run_worker(rank: int, world: int, init_method: str, config: Any, started: An
     tp = _init(rank, world, init_method)
     try:
         loaded = load_model(config.model, config.dtype, config.quantization, tp=tp, registry=config.model_registry)
-        num_blocks, block_size, kv_dtype, cache_cls = _broadcast(None)
-        runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls)
-        tables: dict[str, list[int]] = {}
+        num_blocks, block_size, kv_dtype, cache_cls, layout = _broadcast(None)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls, layout)
+        tables: list[dict[str, list[int]]] = [{} for _ in layout.groups]
         while True:
             plan = _broadcast(None)
             if plan is None:
@@ -120,7 +121,7 @@ class TPDriver:
     def __init__(self, config: Any) -> None:
         self.world = config.tensor_parallel_size
         self.procs: list[Any] = []
-        self._sent: dict[str, list[int]] = {}  # the block tables as the workers know them
+        self._sent: dict[tuple[int, str], list[int]] = {}  # (group, request): its block table as the workers know it
         self.closed = False
         env = os.environ
         if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:  # torchrun: everyone is there
@@ -154,8 +155,8 @@ class TPDriver:
                 time.sleep(0.05)
         self.tp = _init(0, self.world, init)
 
-    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, cache_cls: type) -> None:
-        self._send((num_blocks, block_size, kv_dtype, cache_cls))
+    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, cache_cls: type, layout: Any) -> None:
+        self._send((num_blocks, block_size, kv_dtype, cache_cls, layout))
 
     def check_alive(self) -> None:
         dead = [p for p in self.procs if not p.is_alive()]
@@ -169,18 +170,21 @@ class TPDriver:
         except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
             raise WorkerDiedError(f"a tensor-parallel worker stopped answering: {e}") from e
 
-    def step(self, sched: Any, tables: dict[str, list[int]], gone: list[str], all_logits: bool = False) -> None:
+    def step(self, sched: Any, tables: Any, gone: list[str], all_logits: bool = False) -> None:
+        """tables: one per group of the layout (request id -> block table)."""
         batch = batch_of(sched)
         plan = StepPlan(work=batch.items, copies=batch.copies, gone=gone, all_logits=all_logits)
         for rid in gone:
-            self._sent.pop(rid, None)
+            for g in range(len(tables)):
+                self._sent.pop((g, rid), None)
         for item in batch.items:
             rid = item.request_id
-            table, known = tables[rid], self._sent.get(rid, [])
-            at = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), min(len(table), len(known)))
-            if at < len(table) or len(known) != len(table):
-                plan.tables.append((rid, at, table[at:]))
-                self._sent[rid] = list(table)
+            for g, group in enumerate(tables):
+                table, known = group[rid], self._sent.get((g, rid), [])
+                at = next((i for i, (a, b) in enumerate(zip(table, known)) if a != b), min(len(table), len(known)))
+                if at < len(table) or len(known) != len(table):
+                    plan.tables.append((g, rid, at, table[at:]))
+                    self._sent[(g, rid)] = list(table)
         self._send(plan)
 
     def close(self) -> None:
@@ -226,12 +230,12 @@ class TPExecutor(Executor):
             raise
 
     def init_kv_cache(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      cache_cls: type) -> Any:
-        runner = super().init_kv_cache(model, num_blocks, block_size, kv_dtype, cache_cls)
-        self.driver.setup(num_blocks, block_size, kv_dtype, cache_cls)
+                      cache_cls: type, layout: Any = None) -> Any:
+        runner = super().init_kv_cache(model, num_blocks, block_size, kv_dtype, cache_cls, layout)
+        self.driver.setup(num_blocks, block_size, kv_dtype, cache_cls, runner.layout)
         return runner
 
-    def execute_model(self, sched: Any, tables: dict[str, list[int]], all_logits: bool = False) -> Any:
+    def execute_model(self, sched: Any, tables: Any, all_logits: bool = False) -> Any:
         gone, self._gone = self._gone, []
         self.driver.step(sched, tables, gone, all_logits)
         return super().execute_model(sched, tables, all_logits)

@@ -77,6 +77,11 @@ class AttentionMetadata:
     op: Callable | None = None
     decode_ctx_lens: list[int] = field(default_factory=list)  # the decodes' context lengths (torch path's masks)
     _windows: dict = field(default_factory=dict, repr=False)  # window -> this step's metadata for it
+    # per layer, when the layout has several groups: the metadata over that layer's group's tables
+    layer_meta: list[AttentionMetadata] | None = field(default=None, repr=False)
+
+    def for_layer(self, index: int) -> AttentionMetadata:
+        return self if self.layer_meta is None else self.layer_meta[index]
 
     def for_window(self, window: int | None) -> AttentionMetadata:
         """This step's metadata for a layer that attends over `window` tokens (None: all): the same rows and
@@ -86,7 +91,7 @@ class AttentionMetadata:
         view = self._windows.get(window)
         if view is None:
             prefills = [dataclasses.replace(p, mask=build_mask(p.q_len, p.ctx_len, window)) for p in self.prefills]
-            view = dataclasses.replace(self, sliding_window=window, prefills=prefills, _windows={})
+            view = dataclasses.replace(self, sliding_window=window, prefills=prefills, _windows={}, layer_meta=None)
             if self.decode_mask is not None:
                 view.decode_mask = build_decode_mask(self.decode_ctx_lens, self.decode_mask.shape[-1], window)
             self._windows[window] = view

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..core.kv_spec import KVLayout, plan_kv_layout
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 from .attention import MetadataBuilder
@@ -49,20 +50,31 @@ class StepResult:
     requests: list[Request] = field(default_factory=list)  # the sampled requests (execute() of a SchedulerOutput)
 
 
+Tables = Sequence[Mapping[str, list[int]]]  # one per group of the layout: request id -> block table
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, cache_factory=KVCache) -> None:
+                 kv_dtype: torch.dtype, cache_factory=KVCache, layout: KVLayout | None = None) -> None:
+        """layout: how layers share the pool (kv_spec.plan_kv_layout); None: one group, full tables."""
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
-        self.sliding_window = cfg.sliding_window
-        self.caches = [cache_factory(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, self.dtype)
-                       for spec in model.kv_specs()]
+        specs = model.kv_specs()
+        self.layout = layout or plan_kv_layout(specs, hybrid=False)
+        slot_spec = {slot: specs[i] for i, slot in reversed(list(enumerate(self.layout.slot_of_layer)))}
+        # one pool tensor per slot; layer i of every group keeps its K/V in slot i's
+        self.slot_caches = [cache_factory(num_blocks, block_size, slot_spec[j].num_kv_heads, slot_spec[j].head_dim,
+                                          kv_dtype, self.dtype) for j in range(self.layout.num_slots)]
+        self.caches = [self.slot_caches[j] for j in self.layout.slot_of_layer]  # per layer
         layer, backend = model.layers[0], model.backend  # the backend chose the kernels once, at load
         self.argmax = backend.argmax_rows
         op, chunk_op = backend.paged_ops(self.caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
-        self.attn = MetadataBuilder(block_size, cfg.sliding_window, op, chunk_op)
+        hybrid = self.layout.hybrid
+        self.attns = [MetadataBuilder(block_size, g.sliding_window if hybrid else cfg.sliding_window, op, chunk_op)
+                      for g in self.layout.groups]
+        self.attn = self.attns[0]
 
     # the paths the step takes, switchable to compare them (tests): the paged-row op and the chunk kernel
     @property
@@ -71,7 +83,8 @@ class ModelRunner:
 
     @op.setter
     def op(self, op: Callable | None) -> None:
-        self.attn.op = op
+        for a in self.attns:
+            a.op = op
 
     @property
     def chunk_op(self) -> bool:
@@ -79,21 +92,22 @@ class ModelRunner:
 
     @chunk_op.setter
     def chunk_op(self, on: bool) -> None:
-        self.attn.chunk_op = on
+        for a in self.attns:
+            a.chunk_op = on
 
-    def execute(self, sched: SchedulerOutput, tables: Mapping[str, list[int]], all_logits: bool = False,
+    def execute(self, sched: SchedulerOutput, tables: Tables, all_logits: bool = False,
                 want_logits: bool = True) -> StepResult:
         """The scheduler's step; the result also names the sampled requests."""
         res = self.execute_batch(batch_of(sched), tables, all_logits, want_logits)
         res.requests = [sched.scheduled[i].request for i in res.sampled]
         return res
 
-    def execute_batch(self, batch: Batch, tables: Mapping[str, list[int]], all_logits: bool = False,
+    def execute_batch(self, batch: Batch, tables: Tables, all_logits: bool = False,
                       want_logits: bool = True) -> StepResult:
         """all_logits: logits of every scheduled token (scoring), not just the sampled rows;
         want_logits False: KV only (a draft model mirroring the target's step)."""
         for src, dst in batch.copies:  # copy-on-write before anything writes
-            for c in self.caches:
+            for c in self.slot_caches:
                 c.copy_block(src, dst)
         if not batch.items:  # copies only (a draft pool following the target's copy-on-write)
             return StepResult(torch.zeros(0, self.model.cfg.vocab_size), [], [])
@@ -102,28 +116,32 @@ class ModelRunner:
         order = sorted(range(len(batch.items)), key=lambda i: kinds[i])
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.attns]  # per group
         logits_rows: list[int] = []
         sampled: list[int] = []
         num_rows: list[int] = []
-        attn.begin()
+        for a in self.attns:
+            a.begin()
         for i in order:
             s = batch.items[i]
             n, start = len(s.token_ids), s.start
-            table = tables[s.request_id]
             q_start = len(ids)
             ids.extend(s.token_ids)
             pos.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            attn.add(kinds[i], q_start, n, start + n, table)
+            for g, a in enumerate(self.attns):
+                table = tables[g][s.request_id]
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                a.add(kinds[i], q_start, n, start + n, table)
             if all_logits:
                 logits_rows.extend(range(q_start, q_start + n))
             elif s.completes and want_logits:
                 logits_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
                 sampled.append(i)
                 num_rows.append(1 + s.num_spec)
-        meta = attn.build(slots)
+        metas = [a.build(sl) for a, sl in zip(self.attns, slots)]
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.layer_meta = [metas[g] for g in self.layout.group_of_layer]
         logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long))
         return StepResult(logits, sampled, num_rows)
-

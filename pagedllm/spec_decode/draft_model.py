@@ -12,8 +12,6 @@ distributions q for rejection sampling.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from ..core.request import Request
@@ -21,7 +19,7 @@ from ..core.scheduler import SchedulerOutput
 from ..errors import ConfigError
 from ..executor.base import Executor
 from ..model_executor.model_loader import LoadedModel
-from ..model_executor.model_runner import Batch, BatchItem
+from ..model_executor.model_runner import Batch, BatchItem, Tables
 from .ngram import SpeculativeConfig
 
 
@@ -45,7 +43,7 @@ class DraftModel:
         """Before scheduling: k placeholders, so the scheduler reserves the slots the proposals need."""
         return [0] * k
 
-    def run(self, sched: SchedulerOutput, tables: Mapping[str, list[int]]) -> None:
+    def run(self, sched: SchedulerOutput, tables: Tables) -> None:
         """After scheduling, before the target: mirror the step's tokens, then propose."""
         mirror = []
         for s in sched.scheduled:
@@ -69,7 +67,7 @@ class DraftModel:
         for s in spec:  # a grammar that ended early leaves fewer proposals than slots (freed after the step)
             s.num_new_tokens, s.num_spec = 1 + len(s.request.spec_tokens), len(s.request.spec_tokens)
 
-    def _propose(self, reqs: list[Request], tables: Mapping[str, list[int]]) -> None:
+    def _propose(self, reqs: list[Request], tables: Tables) -> None:
         k = {r.request_id: len(r.spec_tokens) for r in reqs}
         known = {r.request_id: r.all_token_ids for r in reqs}
         drafts: dict[str, list[int]] = {r.request_id: [] for r in reqs}

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.core.block_manager import BlockManager, FreeQueue
+from pagedllm.core.kv_spec import NULL_BLOCK
 
 
 def test_allocate_on_demand_and_free_order():
@@ -79,7 +80,7 @@ def test_prefix_hit_shares_blocks_and_never_covers_whole_prompt():
     b = sys_prompt + [200]
     hits = bm.get_computed_blocks("b", b)
     assert hits == [0, 1]
-    bm.allocate_slots("b", b, 8, 1, computed_blocks=hits)
+    bm.allocate_slots("b", b, 8, 1, computed_blocks=[hits])
     assert bm.table("b") == [0, 1, 3]
     assert [bm.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
     # exactly the system prompt: the last block is not a hit (its last token must be computed)
@@ -116,7 +117,7 @@ def test_hit_on_free_cached_block_revives_it():
     bm.free("a")
     hits = bm.get_computed_blocks("b", [1, 2, 3, 4, 9])
     assert hits == [0, 1]
-    bm.allocate_slots("b", [1, 2, 3, 4, 9], 4, 1, computed_blocks=hits)
+    bm.allocate_slots("b", [1, 2, 3, 4, 9], 4, 1, computed_blocks=[hits])
     assert bm.table("b")[:2] == [0, 1] and bm.blocks[0].ref_cnt == 1
     assert 0 not in bm.free_queue and 1 not in bm.free_queue
 
@@ -182,9 +183,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def add(self, prompt):
         rid = f"r{self.n}"
         self.n += 1
-        hits = self.bm.get_computed_blocks(rid, prompt)
-        cached = len(hits) * self.bm.block_size
-        assert cached < len(prompt)
+        hits = self.bm.prefix_hits(rid, prompt)
+        cached = len(hits[0]) * self.bm.block_size
+        assert cached < len(prompt) and all(len(h) == len(hits[0]) for h in hits)
         if self.bm.allocate_slots(rid, prompt, cached, len(prompt) - cached, computed_blocks=hits) is None:
             self.bm.free(rid)  # drop the hashes computed for the lookup
             return
@@ -243,3 +244,113 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---- groups: a full-attention group and a sliding-window group drawing from one pool ----------------------
+def test_a_sliding_group_releases_the_blocks_that_leave_its_window():
+    bm = BlockManager(num_blocks=16, block_size=4, windows=(None, 8))
+    toks = list(range(100, 120))
+    assert bm.allocate_slots("a", toks, 0, 12) == []
+    assert bm.group_tables == [{"a": [0, 1, 2]}, {"a": [3, 4, 5]}]
+    # token 12 reads keys 5..12: block 0 of the window's table (tokens 0-3) is released, block 1 is kept
+    assert bm.allocate_slots("a", toks, 12, 1) == []
+    assert bm.group_tables == [{"a": [0, 1, 2, 6]}, {"a": [NULL_BLOCK, 4, 5, 7]}]
+    assert bm.num_free_blocks == 16 - 7 and bm.blocks[3].ref_cnt == 0 and bm.blocks[3].block_hash is not None
+    assert bm.allocate_slots("a", toks, 13, 4) == []
+    assert bm.group_tables == [{"a": [0, 1, 2, 6, 8]}, {"a": [NULL_BLOCK, 4, 5, 7, 9]}]
+    assert bm.blocks_by_group() == [5, 4]
+    bm.free("a")
+    assert bm.num_free_blocks == 16 and bm.num_cached_free_blocks == 8  # the full blocks of both groups
+
+
+def test_a_prefix_hit_needs_every_group_and_only_the_window_of_a_sliding_one():
+    bm = BlockManager(num_blocks=16, block_size=4, windows=(None, 8))
+    toks = list(range(100, 120))
+    for start, n in ((0, 12), (12, 1), (13, 4)):
+        bm.allocate_slots("a", toks, start, n)
+    bm.free("a")
+    # 4 full blocks of the prefix; token 16 reads keys 9.. : blocks 2 and 3 of the window group, not 0 or 1
+    assert bm.prefix_hits("b", toks[:17] + [5, 6]) == [[0, 1, 2, 6], [NULL_BLOCK, NULL_BLOCK, 5, 7]]
+    assert bm.prefix_hits("c", toks[:9]) == [[0, 1], [3, 4]]  # block 3 left a's window but stayed cached
+    hits = bm.prefix_hits("b", toks[:17] + [5, 6])
+    assert bm.allocate_slots("b", toks[:17] + [5, 6], 16, 3, computed_blocks=hits) == []
+    assert bm.group_tables[1]["b"][:4] == [NULL_BLOCK, NULL_BLOCK, 5, 7] and bm.blocks[5].ref_cnt == 1
+    bm.free("b")
+    # a window block evicted: the hit falls back to the longest prefix whose window is all there
+    bm.cached.pop(bm.blocks[7].block_hash)
+    bm.blocks[7].block_hash = None
+    assert bm.prefix_hits("d", toks[:17] + [5, 6]) == [[0, 1, 2], [NULL_BLOCK, 4, 5]]
+
+
+def test_the_most_blocks_a_request_holds_bounds_its_window_groups():
+    bm = BlockManager(num_blocks=16, block_size=4, windows=(None, 8, 8))
+    # 1000 tokens: 250 blocks in the full group; a window group its 7 keys behind + an 8-token chunk + 1
+    assert bm.max_blocks_held(1000, 8) == 250 + 2 * 5
+    assert bm.max_blocks_held(10, 8) == 3 * 3
+
+
+def test_forks_share_every_group_and_copy_on_write_in_each():
+    bm = BlockManager(num_blocks=16, block_size=4, windows=(None, 4))
+    toks = list(range(10))
+    bm.allocate_slots("a", toks, 0, 10)
+    bm.fork("a", "b")
+    assert bm.group_tables == [{"a": [0, 1, 2], "b": [0, 1, 2]}, {"a": [3, 4, 5], "b": [3, 4, 5]}]
+    # b writes token 10 into the shared partial block 2 (and 5): copied in each group; token 10 reads 7..10,
+    # so block 0 of its window table is no longer b's (a still holds it)
+    assert bm.allocate_slots("b", toks + [99], 10, 1) == [(2, 6), (5, 7)]
+    assert bm.group_tables[1]["b"] == [NULL_BLOCK, 4, 7] and bm.blocks[3].ref_cnt == 1
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 16
+
+
+class GroupedBlockManagerMachine(BlockManagerMachine):
+    """The same random sequences over a full group and two sliding groups: every invariant holds in each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=30, block_size=3, windows=(None, 4, 7))
+
+    @invariant()
+    def refcounts_match_tables(self):
+        refs = [0] * self.bm.num_blocks
+        for tables in self.bm.group_tables:
+            for rid in self.seqs:
+                for b in tables.get(rid, []):
+                    if b != NULL_BLOCK:
+                        refs[b] += 1
+        for b in self.bm.blocks:
+            assert b.ref_cnt == refs[b.block_id]
+            assert (b.block_id in self.bm.free_queue) == (b.ref_cnt == 0)
+
+    @invariant()
+    def tables_cover_tokens(self):
+        bs = self.bm.block_size
+        for rid, n in self.computed.items():
+            for g, w in enumerate(self.bm.windows):
+                table = self.bm.group_tables[g][rid]
+                assert len(table) == self.bm.blocks_needed(n)
+                # what the next token reads is all there, and it holds blocks by content
+                first = 0 if w is None else max(0, n - w + 1) // bs
+                assert NULL_BLOCK not in table[first:]
+                for i, b in enumerate(table[:n // bs]):
+                    tok = self.bm.blocks[b].token_ids if b != NULL_BLOCK else None
+                    assert tok is None or list(tok) == self.seqs[rid][i * bs:(i + 1) * bs]
+
+
+TestGroupedBlockManagerMachine = GroupedBlockManagerMachine.TestCase
+TestGroupedBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_new_block_never_evicts_the_hit_of_another_group():
+    bm = BlockManager(num_blocks=6, block_size=3, windows=(None, 3))
+    toks = [1, 2, 3, 4, 5, 6, 7]
+    bm.allocate_slots("a", toks, 0, 6)
+    bm.allocate_slots("a", toks, 6, 1)  # the window group releases block 2 (tokens 1-3) first
+    bm.free("a")
+    bm.allocate_slots("x", [9], 0, 1)  # takes the two hash-less blocks: block 2 is now the queue's head
+    assert list(bm.free_queue)[0] == 2
+    hits = bm.prefix_hits("b", toks[:4])
+    assert hits == [[0], [2]]
+    assert bm.allocate_slots("b", toks[:4], 3, 1, computed_blocks=hits) == []
+    assert bm.group_tables[0]["b"] == [0, 1] and bm.group_tables[1]["b"] == [2, 3]

@@ -36,7 +36,7 @@ def hf_refs(tiny_models):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_hf(tiny_models, arch):
     path, model = tiny_models[arch]
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16, dtype="float32"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, block_size=16, dtype="float32"))
     prompt = prompts_for(model.config.vocab_size)[6]  # 250 tokens: crosses the sliding window
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]  # [T, V]
@@ -44,7 +44,7 @@ def test_prefill_logits_match_hf(tiny_models, arch):
     engine.block_manager.allocate_slots("r", prompt, 0, len(prompt))
     # the whole prompt in one step: the last row's logits (chunked starts are tested below)
     out = SchedulerOutput([ScheduledRequest(req, len(prompt))])
-    res = engine.runner.execute(out, engine.block_manager.tables)
+    res = engine.runner.execute(out, engine.block_manager.group_tables)
     assert (res.logits[0] - ref[-1]).abs().max().item() < 1e-4
 
 
@@ -53,7 +53,7 @@ def test_prefill_logits_match_hf(tiny_models, arch):
 def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):
     """A prefill chunk that starts mid-sequence attends causally to the cached blocks."""
     path, model = tiny_models[arch]
-    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=64, block_size=16, dtype="float32"))
+    engine = LLMEngine(EngineConfig(model=path, num_kv_blocks=256, block_size=16, dtype="float32"))
     if not use_op:
         engine.runner.op = None
     else:
@@ -69,7 +69,7 @@ def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):
         req.output_token_ids = []
         # sample row = last token of the chunk (force it by pretending the prompt ends there)
         req.prompt_token_ids = prompt[:done + chunk]
-        res = engine.runner.execute(SchedulerOutput([ScheduledRequest(req, chunk)]), engine.block_manager.tables)
+        res = engine.runner.execute(SchedulerOutput([ScheduledRequest(req, chunk)]), engine.block_manager.group_tables)
         assert (res.logits[0] - ref[done + chunk - 1]).abs().max().item() < 1e-4, (arch, done, chunk)
         done += chunk
     assert done == len(prompt)
@@ -108,7 +108,11 @@ def test_greedy_matches_hf_through_preemption_prefix_hits_and_n2(tiny_models, ar
     shared = [rng.randrange(model.config.vocab_size) for _ in range(12)]
     prompts = [shared + [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     refs = [hf_greedy(model, p, 20) for p in prompts]
-    llm = LLM(model=path, dtype="float32", block_size=4, num_kv_blocks=48, max_num_batched_tokens=24)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    full_block = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4 * 4  # fp32, 4 tokens, every layer
+    # the bytes of 48 blocks that hold every layer: a hybrid layout's smaller pages make more of them
+    llm = LLM(model=path, dtype="float32", block_size=4, kv_cache_memory=48 * full_block, max_num_batched_tokens=24)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
     first = llm.generate({"prompt_token_ids": prompts[0]}, params)  # computed first: the others hit its prefix
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)

@@ -379,8 +379,8 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         ropes = {key: self._rope(positions, x.dtype, key) for key in dict.fromkeys(lay.rope_key for lay in self.layers)}
         residual = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, *ropes[layer.rope_key], cache, meta)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x, residual = layer(x, residual, *ropes[layer.rope_key], cache, meta.for_layer(i))
         if logits_indices.numel() == 0:  # KV only (a draft model mirroring a step)
             return torch.zeros(0, self.cfg.vocab_size)
         # only the rows we sample from reach the final norm and the lm_head
