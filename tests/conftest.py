@@ -148,3 +148,10 @@ def smollm():
     from pagedllm import LLM
 
     return LLM(max_model_len=2048, kv_cache_memory="512MiB")
+
+
+def full_layout_kv_memory(config, num_blocks: int, block_size: int, dtype_bytes: int = 4) -> int:
+    """The bytes of num_blocks blocks that hold every layer (fp32 by default): a pool of the same memory for any
+    layout (a hybrid layout's smaller pages make more blocks of it)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return num_blocks * block_size * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype_bytes

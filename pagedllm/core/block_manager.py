@@ -40,6 +40,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # kept to confirm cache hits (collision guard)
+    group: int = 0  # the layer group whose tables hold it (or held it last)
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
@@ -143,6 +144,7 @@ class BlockManager:
         self._hashes: dict[str, list[bytes]] = {}  # chained keys of each request's full blocks
         # leading blocks of each group's table already offered to the cache
         self._num_registered: list[dict[str, int]] = [{} for _ in self.windows]
+        self._in_use = [0] * len(self.windows)  # blocks with holders, by group
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -177,8 +179,8 @@ class BlockManager:
         return total
 
     def blocks_by_group(self) -> list[int]:
-        """Distinct blocks held in each group's tables."""
-        return [len({b for t in tables.values() for b in t if b != NULL_BLOCK}) for tables in self.group_tables]
+        """Blocks in use by each group's tables."""
+        return list(self._in_use)
 
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
@@ -234,7 +236,7 @@ class BlockManager:
         return bid
 
     # ---- allocation ----------------------------------------------------------------------
-    def _take_free(self) -> int:
+    def _take_free(self, g: int = 0) -> int:
         bid = self.free_queue.pop_head()
         blk = self.blocks[bid]
         if blk.block_hash is not None:  # evict its cached prefix
@@ -243,12 +245,15 @@ class BlockManager:
             blk.block_hash = None
             blk.token_ids = None
         blk.ref_cnt = 1
+        blk.group = g
+        self._in_use[g] += 1
         return bid
 
     def _release(self, bid: int) -> None:
         blk = self.blocks[bid]
         blk.ref_cnt -= 1
         if blk.ref_cnt == 0:
+            self._in_use[blk.group] -= 1
             if blk.block_hash is None:
                 self.free_queue.push_front(bid)
             else:
@@ -258,6 +263,7 @@ class BlockManager:
         blk = self.blocks[bid]
         if blk.ref_cnt == 0:
             self.free_queue.remove(bid)
+            self._in_use[blk.group] += 1
         blk.ref_cnt += 1
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed: int,
@@ -302,13 +308,13 @@ class BlockManager:
             table = self.group_tables[g][request_id]
             if cow_idx >= 0:
                 src = table[cow_idx]
-                dst = self._take_free()
+                dst = self._take_free(g)
                 self.blocks[src].ref_cnt -= 1
                 table[cow_idx] = dst
                 copies.append((src, dst))
                 n_new_blocks -= 1
             for _ in range(n_new_blocks):
-                table.append(self._take_free())
+                table.append(self._take_free(g))
             if self.enable_caching:
                 self._cache_full_blocks(g, request_id, token_ids, num_computed + num_new, salt)
         return copies
@@ -380,6 +386,7 @@ class BlockManager:
                 blk = self.blocks[bid]
                 blk.ref_cnt -= 1
                 if blk.ref_cnt == 0:
+                    self._in_use[g] -= 1
                     if blk.block_hash is not None and self.cached.get(blk.block_hash) == bid:
                         del self.cached[blk.block_hash]
                     blk.block_hash = None

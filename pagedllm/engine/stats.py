@@ -34,6 +34,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # the KV layout's groups (kv_spec.plan_kv_layout): their attention kind and the blocks each holds now
+    kv_groups: list[str] = field(default_factory=list)
+    kv_blocks_by_group: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +73,9 @@ def engine_stats(engine: EngineView, filled: int | None = None, cached_free: int
         peak_num_running=c.peak_num_running, num_steps=engine.num_steps, block_size=bm.block_size,
         kv_bytes_per_block=engine.bytes_per_block, spec_num_drafts=spec.num_drafts,
         spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens,
-        spec_accepted_per_pos=list(spec.accepted_per_pos))
+        spec_accepted_per_pos=list(spec.accepted_per_pos),
+        kv_groups=["full" if w is None else f"sliding_window={w}" for w in bm.windows],
+        kv_blocks_by_group=bm.blocks_by_group())
 
 
 def kv_snapshot(engine: EngineView) -> dict:

@@ -322,6 +322,8 @@ class GroupedBlockManagerMachine(BlockManagerMachine):
         for b in self.bm.blocks:
             assert b.ref_cnt == refs[b.block_id]
             assert (b.block_id in self.bm.free_queue) == (b.ref_cnt == 0)
+        held = [{b for t in tables.values() for b in t if b != NULL_BLOCK} for tables in self.bm.group_tables]
+        assert self.bm.blocks_by_group() == [len(h) for h in held]
 
     @invariant()
     def tables_cover_tokens(self):

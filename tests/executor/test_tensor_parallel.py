@@ -8,15 +8,17 @@ import signal
 import time
 
 import pytest
+from conftest import full_layout_kv_memory
 
 from pagedllm import LLM, ConfigError, ModelLoadError, SamplingParams
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.kv_spec import NULL_BLOCK
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.executor.tp import StepPlan, TPDriver, WorkerDiedError, apply_tables
 
 pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, the default model
 
-OPTIONS = dict(dtype="float32", num_threads=1, block_size=4, num_kv_blocks=48, max_num_batched_tokens=24)
+OPTIONS = dict(dtype="float32", num_threads=1, block_size=4, max_num_batched_tokens=24)
 
 
 def _prompts(seed: int) -> list[dict]:
@@ -36,11 +38,12 @@ def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe",
                                   "gpt-oss"])
 def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):
-    path = tiny_models[arch][0]
-    base = LLM(path, **OPTIONS)
+    path, hf = tiny_models[arch]
+    options = dict(OPTIONS, kv_cache_memory=full_layout_kv_memory(hf.config, 48, 4))  # small enough to preempt
+    base = LLM(path, **options)
     expected = _run(base, 1)
     assert base.stats().num_preemptions > 0 and base.stats().prefix_cache_hits > 0  # the paths are exercised
-    with LLM(path, tensor_parallel_size=2, **OPTIONS) as tp:
+    with LLM(path, tensor_parallel_size=2, **options) as tp:
         assert _run(tp, 1) == expected
         st = tp.stats()
         assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
@@ -48,13 +51,14 @@ def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_mod
 
 
 def test_plan_diffs_rebuild_the_drivers_tables():
-    """What the workers reconstruct equals the driver's state after appends, copy-on-write, rollback, frees."""
-    bm = BlockManager(num_blocks=16, block_size=2)
+    """What the workers reconstruct equals the driver's state after appends, copy-on-write, rollback, frees,
+    in a full-attention group and a sliding-window group (whose blocks leave its window)."""
+    bm = BlockManager(num_blocks=32, block_size=2, windows=(None, 3))
     driver = TPDriver.__new__(TPDriver)  # only its diffing, no processes
     driver._sent = {}
     sent: list[StepPlan] = []
     driver._send = sent.append
-    worker: dict[str, list[int]] = {}
+    worker: list[dict[str, list[int]]] = [{}, {}]
 
     class Req:
         def __init__(self, rid: str, toks: list[int]) -> None:
@@ -70,21 +74,24 @@ def test_plan_diffs_rebuild_the_drivers_tables():
 
     a = Req("a", [1, 2, 3])
     bm.allocate_slots("a", a.toks, 0, 3)
-    driver.step(SchedulerOutput([ScheduledRequest(a, 3)]), bm.tables, [])
+    driver.step(SchedulerOutput([ScheduledRequest(a, 3)]), bm.group_tables, [])
     bm.fork("a", "b")
     b = Req("b", [1, 2, 3, 9])
     b.num_computed_tokens = 3
     copies = bm.allocate_slots("b", b.toks, 3, 1)  # copy-on-write of the shared half block
-    driver.step(SchedulerOutput([ScheduledRequest(b, 1)], copies), bm.tables, [])
+    driver.step(SchedulerOutput([ScheduledRequest(b, 1)], copies), bm.group_tables, [])
     bm.allocate_slots("a", a.toks + [4, 5, 6, 7, 8], 3, 5)
     bm.truncate("a", 5)  # rolled back
     a.num_computed_tokens = 3
-    driver.step(SchedulerOutput([ScheduledRequest(a, 1)]), bm.tables, [])
+    driver.step(SchedulerOutput([ScheduledRequest(a, 1)]), bm.group_tables, [])
+    a.toks, a.num_computed_tokens = [1, 2, 3, 4, 5, 6], 5
+    bm.allocate_slots("a", a.toks, 5, 1)  # token 5 reads keys 3..5: block 0 leaves the window
     bm.free("b")
-    driver.step(SchedulerOutput([ScheduledRequest(a, 1)]), bm.tables, ["b"])
+    driver.step(SchedulerOutput([ScheduledRequest(a, 1)]), bm.group_tables, ["b"])
     for plan in sent:
         apply_tables(worker, plan)
-    assert worker == {"a": bm.table("a")} and sent[1].copies == copies
+    assert worker == [{"a": bm.group_tables[0]["a"]}, {"a": bm.group_tables[1]["a"]}] and sent[1].copies == copies
+    assert worker[1]["a"][0] == NULL_BLOCK  # the window's release reached the worker too
     rebuilt = sent[1].work[0]  # what the worker's runner reads of the request
     assert (rebuilt.token_ids, rebuilt.completes) == ([9], True)
 

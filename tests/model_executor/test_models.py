@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from conftest import full_layout_kv_memory
 from helpers import hf_greedy
 
 from pagedllm import LLM, SamplingParams
@@ -108,11 +109,8 @@ def test_greedy_matches_hf_through_preemption_prefix_hits_and_n2(tiny_models, ar
     shared = [rng.randrange(model.config.vocab_size) for _ in range(12)]
     prompts = [shared + [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(6)]
     refs = [hf_greedy(model, p, 20) for p in prompts]
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    full_block = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4 * 4  # fp32, 4 tokens, every layer
-    # the bytes of 48 blocks that hold every layer: a hybrid layout's smaller pages make more of them
-    llm = LLM(model=path, dtype="float32", block_size=4, kv_cache_memory=48 * full_block, max_num_batched_tokens=24)
+    llm = LLM(model=path, dtype="float32", block_size=4, kv_cache_memory=full_layout_kv_memory(model.config, 48, 4),
+              max_num_batched_tokens=24)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2)
     first = llm.generate({"prompt_token_ids": prompts[0]}, params)  # computed first: the others hit its prefix
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)

@@ -43,6 +43,12 @@ class _StatsCollector:
             m = family(f"pagedllm:{name}", doc)
             m.add_metric([], value)
             yield m
+        by_group = GaugeMetricFamily("pagedllm:kv_cache_blocks_used_by_group",
+                                     "KV blocks in use by each group of layers (the KV layout's groups)",
+                                     labels=["group", "attention"])
+        for i, (kind, n) in enumerate(zip(s.kv_groups, s.kv_blocks_by_group)):
+            by_group.add_metric([str(i), kind], n)
+        yield by_group
         per_pos = CounterMetricFamily("pagedllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Proposed tokens accepted, by position in the proposal", labels=["position"])
         for i, n in enumerate(s.spec_accepted_per_pos):

@@ -1,0 +1,56 @@
+"""The hybrid KV layout end to end: sliding-window layers hold their window, outputs do not change."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import full_layout_kv_memory
+from helpers import hf_greedy
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
+def test_a_long_request_holds_only_the_window_in_sliding_groups(tiny_models, arch):
+    path, hf = tiny_models[arch]
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=4096,
+                                    max_num_batched_tokens=32))
+    bm, window = engine.block_manager, hf.config.sliding_window
+    assert bm.windows[0] is None and set(bm.windows[1:]) == {window}
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(150)]
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    peak = [0] * len(bm.windows)
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        peak = [max(p, n) for p, n in zip(peak, bm.blocks_by_group())]
+    # the full group every token's block; a window group what a 32-token chunk and the window behind it span
+    assert peak[0] == -(-(150 + 29) // 4)
+    assert all(p <= -(-(window - 1 + 32) // 4) + 1 for p in peak[1:])
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 30)
+    assert bm.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_the_same_memory_serves_more_requests_with_the_same_tokens(tiny_models, arch):
+    """Prompts of several windows in a pool of two full-layout requests' bytes: the hybrid layout runs more of
+    them at once (fewer preemptions), and every greedy continuation is the full layout's and HF's."""
+    path, hf = tiny_models[arch]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(90, 140))] for _ in range(6)]
+    memory = full_layout_kv_memory(hf.config, 2 * 40, 4)  # two 160-token requests, every layer
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = {}
+    for hybrid in (True, False):
+        llm = LLM(model=path, dtype="float32", block_size=4, kv_cache_memory=memory, max_num_batched_tokens=32,
+                  hybrid_kv_cache=hybrid)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs[hybrid] = ([o.outputs[0].token_ids for o in outs], llm.stats())
+    assert runs[True][0] == runs[False][0] == [hf_greedy(hf, p, 16) for p in prompts]
+    hybrid, full = runs[True][1], runs[False][1]
+    assert hybrid.peak_num_running > full.peak_num_running and hybrid.num_preemptions < full.num_preemptions
