@@ -2,7 +2,9 @@
 
 KV bytes per token = 2 (K and V) x layers x num_kv_heads x head_dim x bytes per element (GQA
 counts: only the KV heads are stored). Static serving reserves max_model_len per sequence; paging
-holds what each sequence really uses, rounded up to one block.
+holds what each sequence really uses, rounded up to one block; and where some layers attend over a sliding
+window (Gemma 3, gpt-oss), those layers hold only their window (kv_spec.plan_kv_layout, as the engine lays
+out its pool): the paged figures count that.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..config import parse_size
+from ..core.kv_spec import KVSpec, plan_kv_layout
 from ..model_executor.layers.formats import FORMATS
 
 KV_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
@@ -33,6 +36,7 @@ class ModelShape:
     weights_bytes: int | None = None  # as deployed, when known
     num_experts: int = 0  # a mixture of experts: every layer's MLP is num_experts of moe_intermediate_size
     moe_intermediate_size: int = 0
+    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); () every layer full
 
     @property
     def num_params(self) -> int:
@@ -56,6 +60,20 @@ PRESETS = {
 }
 
 
+def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers reads the config: `layer_types` where given, Gemma 3's
+    one-global-in-`sliding_window_pattern` otherwise, Qwen2's `use_sliding_window`, else every layer."""
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if window is None or cfg.get("use_sliding_window") is False:
+        return ()
+    if cfg.get("layer_types"):
+        return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
+    if str(cfg.get("model_type", "")).startswith("gemma3"):
+        pattern = cfg.get("sliding_window_pattern") or 6
+        return tuple(None if (i + 1) % pattern == 0 else window for i in range(n))
+    return (window,) * n
+
+
 def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
     if "text_config" in cfg:  # a multimodal checkpoint: its language model
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
@@ -65,7 +83,12 @@ def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
                       cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
                       cfg["intermediate_size"], cfg["vocab_size"], cfg.get("max_position_embeddings", 2048),
                       cfg.get("tie_word_embeddings", False), num_experts=experts,
-                      moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+                      moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                      layer_windows=hf_layer_windows(cfg))
+
+
+# the sliding-window layers llama.cpp fixes in code per architecture (the file gives only the window)
+GGUF_WINDOW_LAYERS = {"gemma3": lambda i: (i + 1) % 6 != 0, "gpt-oss": lambda i: i % 2 == 0}
 
 
 def shape_from_gguf(path: Path) -> ModelShape:
@@ -81,10 +104,13 @@ def shape_from_gguf(path: Path) -> ModelShape:
 
     heads, hidden = int(g("attention.head_count")), int(g("embedding_length"))
     vocab = g("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
-    return ModelShape(path.stem, int(g("block_count")), hidden, heads, int(g("attention.head_count_kv", heads)),
+    layers, window = int(g("block_count")), g("attention.sliding_window")
+    sliding = GGUF_WINDOW_LAYERS.get(arch)
+    windows = tuple(int(window) if sliding(i) else None for i in range(layers)) if window and sliding else ()
+    return ModelShape(path.stem, layers, hidden, heads, int(g("attention.head_count_kv", heads)),
                       int(g("attention.key_length", hidden // heads)), int(g("feed_forward_length")), int(vocab),
                       int(g("context_length", 2048)), not any(t.name == "output.weight" for t in r.tensors),
-                      weights_bytes=stored)
+                      weights_bytes=stored, layer_windows=windows)
 
 
 def load_shape(model: str | None = None, preset: str | None = None) -> ModelShape:
@@ -105,6 +131,30 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
     per_elem = KV_DTYPE_BYTES[kv_dtype]
     per_head = shape.head_dim * per_elem + (FP8_SCALE_BYTES if kv_dtype.startswith("fp8") else 0)
     return int(2 * shape.num_layers * shape.num_kv_heads * per_head)
+
+
+def kv_bytes_per_sequence(shape: ModelShape, kv_dtype: str, num_tokens: int, block_size: int,
+                          hybrid: bool = True) -> int:
+    """The paged KV one sequence of num_tokens holds while it decodes: every layer's blocks, or with the
+    hybrid layout a full-attention group's every block and a sliding group's window (the engine's pages)."""
+    per_layer = kv_bytes_per_token(shape, kv_dtype) // shape.num_layers
+    windows = shape.layer_windows or (None,) * shape.num_layers
+    layout = plan_kv_layout([KVSpec(shape.num_kv_heads, shape.head_dim, w) for w in windows], hybrid)
+    blocks = 0
+    for g in layout.groups:
+        held = -(-num_tokens // block_size)
+        if g.sliding_window is not None:  # the blocks before the next token's window are gone
+            held -= max(0, num_tokens - g.sliding_window + 1) // block_size
+        blocks += held
+    return blocks * block_size * layout.num_slots * per_layer
+
+
+def layout_summary(shape: ModelShape) -> str:
+    windows = shape.layer_windows or (None,) * shape.num_layers
+    kinds: dict[int | None, int] = {}
+    for w in windows:
+        kinds[w] = kinds.get(w, 0) + 1
+    return ", ".join(f"{n} {'full' if w is None else f'window {w}'}" for w, n in kinds.items())
 
 
 @dataclass
@@ -129,6 +179,8 @@ class Plan:
     concurrency: int | None = None  # when asked: the KV that many sequences need both ways
     kv_bytes_static_at_concurrency: int | None = None
     kv_bytes_paged_at_concurrency: int | None = None
+    layers: str = ""  # its layers by attention kind
+    kv_bytes_per_seq_every_layer: int | None = None  # paged, had every layer kept every token (sliding models)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,18 +214,20 @@ def plan(shape: ModelShape, memory: str | int, kv_dtype: str = "float16", block_
     per_seq_max = per_tok * max_len
     used = min(max_len, mean_prompt + mean_output)
     blocks = -(-used // block_size)
-    per_seq_paged = blocks * block_size * per_tok
+    per_seq_paged = kv_bytes_per_sequence(shape, kv_dtype, used, block_size)
+    every_layer = kv_bytes_per_sequence(shape, kv_dtype, used, block_size, hybrid=False)
     return Plan(shape.name, kv_dtype, block_size, max_len, per_tok, per_seq_max, mem, weights, act, budget,
                 mean_prompt, mean_output, per_seq_paged, budget // per_seq_max, budget // per_seq_paged,
                 used / max_len, used / (blocks * block_size), concurrency,
                 concurrency * per_seq_max if concurrency else None,
-                concurrency * per_seq_paged if concurrency else None)
+                concurrency * per_seq_paged if concurrency else None, layout_summary(shape),
+                every_layer if every_layer != per_seq_paged else None)
 
 
 def format_plan(p: Plan) -> str:
     gb = 1e9
     lines = [
-        f"model                      {p.model}",
+        f"model                      {p.model} (layers: {p.layers})",
         f"KV bytes per token         {p.kv_bytes_per_token:,} B ({p.kv_dtype})",
         f"KV per sequence @ {p.max_model_len:<8} {p.kv_bytes_per_seq_max_len / gb:.3f} GB",
         f"memory                     {p.memory_bytes / gb:.1f} GB = weights {p.weights_bytes / gb:.1f} GB"
@@ -188,6 +242,10 @@ def format_plan(p: Plan) -> str:
     if p.concurrency:
         lines.append(f"{'KV for ' + str(p.concurrency) + ' sequences':26} "
                      f"{p.kv_bytes_static_at_concurrency / gb:>18.1f}GB {p.kv_bytes_paged_at_concurrency / gb:>18.1f}GB")
+    if p.kv_bytes_per_seq_every_layer:
+        lines.append(f"\nsliding-window layers keep their window: {p.kv_bytes_per_seq_paged / gb:.3f} GB per sequence "
+                     f"instead of {p.kv_bytes_per_seq_every_layer / gb:.3f} GB "
+                     f"({p.kv_bytes_per_seq_every_layer / p.kv_bytes_per_seq_paged:.1f}x the sequences)")
     if p.max_seqs_static:
         lines.append(f"\npaging fits {p.max_seqs_paged / p.max_seqs_static:.1f}x the concurrent sequences")
     return "\n".join(lines)

@@ -176,6 +176,9 @@ def test_gemma3_from_a_gguf_as_llama_cpp_stores_it_generates_what_hf_does(tiny_m
     model = llm.engine.runner.model
     assert type(model) is Gemma3ForCausalLM
     assert [lay.sliding_window for lay in model.layers] == [24] * 5 + [None, 24]
+    from pagedllm.tools.planner import load_shape
+
+    assert load_shape(str(path)).layer_windows == (24,) * 5 + (None, 24)  # the planner reads the same pattern
     prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 20 * i)] for i in range(3)]  # past the window
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))

@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from pagedllm.tools.planner import kv_bytes_per_token, load_shape, plan
+from pagedllm.tools.planner import (
+    format_plan,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    load_shape,
+    plan,
+    shape_from_hf_config,
+)
 
 
 def test_seed_7b_one_gb_per_2048_token_sequence():
@@ -90,3 +97,25 @@ def test_a_mixture_of_experts_counts_every_expert(tiny_models):
     hf_params = sum(p.numel() for p in hf.parameters())
     qk_norms = 2 * 2 * 16  # per-head q/k norm weights, which the planner's count leaves out
     assert shape.num_params == hf_params - dense + moe - qk_norms
+
+
+GEMMA3_4B = {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 10240, "vocab_size": 262208,
+             "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072}
+
+
+def test_sliding_window_layers_hold_their_window_as_the_engine_lays_them_out():
+    shape = shape_from_hf_config(GEMMA3_4B, "gemma-3-4b")
+    assert shape.layer_windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    # 16,640 tokens in blocks of 16: the full group (5 layers) 1,040 blocks; 6 groups of 5 sliding layers hold
+    # the blocks from token 16,640 - 1,023 on: 64 each; pages of 5 layers x 4 KV heads x 256 x 2 x bf16
+    assert kv_bytes_per_sequence(shape, "bfloat16", 16640, 16) == (1040 + 6 * 64) * 16 * 5 * 4096
+    assert kv_bytes_per_sequence(shape, "bfloat16", 16640, 16, hybrid=False) == 1040 * 16 * 34 * 4096
+    p = plan(shape, "24GB", "bfloat16", mean_prompt=16384, mean_output=256, weight_format="q4_0")
+    assert p.kv_bytes_per_seq_paged == (1040 + 6 * 64) * 16 * 5 * 4096 and p.layers == "29 window 1024, 5 full"
+    assert "sliding-window layers keep their window" in format_plan(p)
+    # Qwen2 carries a window it does not use; gpt-oss names each layer's kind
+    assert shape_from_hf_config({**GEMMA3_4B, "model_type": "qwen2", "use_sliding_window": False}, "q").layer_windows == ()
+    gpt = {**GEMMA3_4B, "model_type": "gpt_oss", "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention"] * 17}
+    assert shape_from_hf_config(gpt, "g").layer_windows == (128, None) * 17
