@@ -185,6 +185,10 @@ class BlockManager:
     def table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
 
+    def num_blocks_of(self, request_id: str) -> int:
+        """The blocks a request holds in all its groups' tables."""
+        return sum(1 for tables in self.group_tables for b in tables.get(request_id, ()) if b != NULL_BLOCK)
+
     # ---- hashing -------------------------------------------------------------------------
     def _extend_hashes(self, request_id: str, token_ids: Sequence[int], num_full: int,
                        salt: str | None) -> list[bytes]:

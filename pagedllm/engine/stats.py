@@ -88,7 +88,7 @@ def kv_snapshot(engine: EngineView) -> dict:
     pool = bm.snapshot([r.request_id for r in reqs], {r.request_id: r.num_computed_tokens for r in sc.running})
     rows = [{"id": r.request_id, "status": r.status.value, "prompt_tokens": r.num_prompt_tokens,
              "output_tokens": len(r.output_token_ids), "computed_tokens": r.num_computed_tokens,
-             "max_tokens": r.max_tokens, "blocks": len(bm.table(r.request_id)),
+             "max_tokens": r.max_tokens, "blocks": bm.num_blocks_of(r.request_id),
              "cached_tokens": r.num_cached_tokens, "preemptions": r.num_preemptions, "priority": r.priority}
             for r in reqs]
     # the seed's static serving: each running request holds max_model_len contiguous slots

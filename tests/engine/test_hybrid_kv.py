@@ -54,3 +54,22 @@ def test_the_same_memory_serves_more_requests_with_the_same_tokens(tiny_models, 
     assert runs[True][0] == runs[False][0] == [hf_greedy(hf, p, 16) for p in prompts]
     hybrid, full = runs[True][1], runs[False][1]
     assert hybrid.peak_num_running > full.peak_num_running and hybrid.num_preemptions < full.num_preemptions
+
+
+def test_the_kv_map_shows_every_groups_blocks(tiny_models):
+    path, hf = tiny_models["gemma3"]
+    engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=1024,
+                                    max_num_batched_tokens=32))
+    rng = random.Random(2)
+    for i in range(3):
+        prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(60 + 10 * i)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    snap = engine.kv_snapshot()
+    bm = engine.block_manager
+    held = sum(1 for s in snap["pool"]["state"] if s >= 2)
+    assert held == sum(bm.blocks_by_group()) == bm.num_used_blocks == sum(snap["stats"]["kv_blocks_by_group"])
+    assert [r["blocks"] for r in snap["requests"]] == [bm.num_blocks_of(f"r{i}") for i in range(3)]
+    assert all(o >= 0 for o, s in zip(snap["pool"]["owner"], snap["pool"]["state"]) if s >= 2)
+    assert snap["stats"]["kv_groups"] == ["full"] + ["sliding_window=24"] * 6

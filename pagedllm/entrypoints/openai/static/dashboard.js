@@ -27,7 +27,10 @@ function render(snap) {
   document.getElementById("watermark").style.left = `${100 * (1 - snap.watermark_blocks / pool.num_blocks)}%`;
   document.getElementById("meta").textContent =
     `${snap.model} · ${pool.num_blocks} blocks × ${pool.block_size} tokens · step ${snap.step} · ` +
-    `${st.num_running} running, ${st.num_waiting} waiting · snapshot ${snap.build_ms.toFixed(2)} ms`;
+    `${st.num_running} running, ${st.num_waiting} waiting · snapshot ${snap.build_ms.toFixed(2)} ms` +
+    // a hybrid layout: the blocks each group of layers holds (sliding-window groups only their window)
+    (st.kv_groups.length > 1 ? " · blocks by layer group: " +
+      st.kv_groups.map((kind, i) => `${kind.replace("sliding_window=", "window ")} ${st.kv_blocks_by_group[i]}`).join(", ") : "");
   const s = snap.static;
   kvCompare(document.getElementById("compare"), {blocks: st.kv_blocks_used, utilization: st.kv_utilization}, s,
             pool.num_blocks, pool.block_size);
