@@ -53,6 +53,13 @@ ARCHS = {
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(_GPT_OSS, rope_parameters=dict(_YARN, truncate=False))),
     # YaRN's ramp ends rounded to whole pairs, as llama.cpp computes it for a GGUF
     "gpt-oss-gguf": ("GptOssConfig", "GptOssForCausalLM", dict(_GPT_OSS, rope_parameters=dict(_YARN, truncate=True))),
+    # 4 layers: Gated DeltaNet, DeltaNet, full attention (output gate, rope on a quarter of each head), DeltaNet;
+    # each key head serves two value heads
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=16, layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
 }
 
 
@@ -63,7 +70,7 @@ def make_tiny_model(arch: str, path, seed: int = 0):
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
-    if arch.startswith("gemma3"):  # norms away from Gemma's zero init, so that (1 + w) is exercised
+    if arch.startswith(("gemma3", "qwen3.5")):  # norms away from their zero init, so that (1 + w) is exercised
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -154,4 +161,6 @@ def full_layout_kv_memory(config, num_blocks: int, block_size: int, dtype_bytes:
     """The bytes of num_blocks blocks that hold every layer (fp32 by default): a pool of the same memory for any
     layout (a hybrid layout's smaller pages make more blocks of it)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return num_blocks * block_size * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype_bytes
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layers = sum(1 for t in types if t != "linear_attention")  # linear-attention layers keep a state, not KV
+    return num_blocks * block_size * layers * 2 * config.num_key_value_heads * head_dim * dtype_bytes

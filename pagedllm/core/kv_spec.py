@@ -12,7 +12,8 @@ tables draw from one pool of block ids:
   fragments another and the pool's bytes are all usable by any group.
 
 Layers whose pages differ in size (heads or head size) cannot share slots: they stay in one group with full
-tables, as do all layers when the hybrid layout is turned off. No torch here.
+tables, as do all layers when the hybrid layout is turned off. A layer whose spec is None keeps no KV (a
+linear-attention layer keeps a state slot instead: state_slots.py); it is in no group (-1). No torch here.
 """
 
 from __future__ import annotations
@@ -60,31 +61,35 @@ class KVLayout:
         return len(self.groups) > 1 or self.groups[0].sliding_window is not None
 
 
-def group_layers(specs: list[KVSpec]) -> dict[KVSpec, list[int]]:
-    """Layer indices by spec, in first-seen order."""
+def group_layers(specs: list[KVSpec | None]) -> dict[KVSpec, list[int]]:
+    """Layer indices by spec, in first-seen order (layers without KV left out)."""
     groups: dict[KVSpec, list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault(spec, []).append(i)
+        if spec is not None:
+            groups.setdefault(spec, []).append(i)
     return groups
 
 
 MAX_GROUPS = 8  # each group costs a block table per request and its own attention metadata each step
 
 
-def plan_kv_layout(specs: list[KVSpec], hybrid: bool = True) -> KVLayout:
+def plan_kv_layout(specs: list[KVSpec | None], hybrid: bool = True) -> KVLayout:
     """Groups of equal size: the size is the layer count of the rarest kind (so a kind never shares a group
     with another), raised until there are at most MAX_GROUPS groups."""
     by_kind = group_layers(specs)
     shapes = {(s.num_kv_heads, s.head_dim) for s in by_kind}
+    kv_layers = tuple(i for i, s in enumerate(specs) if s is not None)
     if not hybrid or len(shapes) > 1 or all(s.sliding_window is None for s in by_kind):
         window = next(iter(by_kind)).sliding_window if len(by_kind) == 1 and hybrid and len(shapes) == 1 else None
-        return KVLayout((KVGroup(window, tuple(range(len(specs)))),), (0,) * len(specs), tuple(range(len(specs))))
+        slot = {layer: j for j, layer in enumerate(kv_layers)}
+        return KVLayout((KVGroup(window, kv_layers),), tuple(0 if s is not None else -1 for s in specs),
+                        tuple(slot.get(i, -1) for i in range(len(specs))))
     kinds = sorted(by_kind.items(), key=lambda kv: kv[0].sliding_window is not None)  # full attention first
     size = min(len(ix) for _, ix in kinds)
     while sum(-(-len(ix) // size) for _, ix in kinds) > MAX_GROUPS:
         size += 1
     groups: list[KVGroup] = []
-    group_of, slot_of = [0] * len(specs), [0] * len(specs)
+    group_of, slot_of = [-1] * len(specs), [-1] * len(specs)
     for spec, ix in kinds:
         for start in range(0, len(ix), size):
             members = tuple(ix[start:start + size])

@@ -44,6 +44,7 @@ class Request:
     stop_reason: int | str | None = None
     pending_forks: list[Request] = field(default_factory=list)
     admitted_seq: int = -1  # order of (re)admission; the latest admitted is preempted first
+    state_slot: int | None = None  # its linear-attention state's slot (state_slots.py), held while admitted
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidRequestError
 from .block_manager import BlockManager
 from .request import Request, RequestStatus
+from .state_slots import StateSlots
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # forks' state slots (src, dst), first
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,8 +59,12 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute", watermark: float = 0.01) -> None:
+                 preemption_mode: str = "recompute", watermark: float = 0.01,
+                 state_slots: StateSlots | None = None) -> None:
+        """state_slots: for models with linear-attention layers, a state slot per admitted sequence."""
         self.bm = block_manager
+        self.state_slots = state_slots
+        self._state_copies: list[tuple[int, int]] = []  # forks made since the last schedule()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -86,6 +92,10 @@ class Scheduler:
             raise InvalidRequestError(
                 f"prompt + max_tokens = {total} tokens needs {need} KV blocks, "
                 f"more than the whole pool ({self.bm.num_blocks} blocks of {self.bm.block_size} tokens)")
+        group = 1 + len(req.pending_forks)
+        if self.state_slots is not None and group > self.state_slots.num_slots:
+            raise InvalidRequestError(f"n={group} needs {group} linear-attention state slots at once; the engine has "
+                                      f"{self.state_slots.num_slots} (a larger KV pool holds more)")
         if not self.chunked and req.num_prompt_tokens > self.max_num_batched_tokens:
             raise InvalidRequestError(
                 f"prompt of {req.num_prompt_tokens} tokens exceeds max_num_batched_tokens "
@@ -118,6 +128,7 @@ class Scheduler:
         self.waiting.pop(req.request_id, None)
         self._arrival_no.pop(req.request_id, None)
         self.bm.free(req.request_id)
+        self._give_slots(req)
         req.status = status
         req.finished_time = time.monotonic()
         for child in req.pending_forks:  # never forked: they end with their leader
@@ -136,10 +147,19 @@ class Scheduler:
         child.first_scheduled_time = parent.first_scheduled_time
         self._arrival_no[child.request_id] = next(self._counter)
         self.running.append(child)
+        if child.state_slot is not None:  # taken at the parent's admission: the parent's state after the prompt
+            self._state_copies.append((parent.state_slot, child.state_slot))
+
+    def _give_slots(self, req: Request) -> None:
+        for seq in (req, *req.pending_forks):
+            if seq.state_slot is not None:
+                self.state_slots.give(seq.state_slot)
+                seq.state_slot = None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.bm.free(req.request_id)
+        self._give_slots(req)
         req.num_computed_tokens = 0
         req.draft_computed = 0
         req.spec_tokens = []
@@ -155,6 +175,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        out.state_copies, self._state_copies = self._state_copies, []
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
 
@@ -212,6 +233,8 @@ class Scheduler:
             group = 1 + len(req.pending_forks)
             if len(self.running) + group > self.max_num_seqs and self.running:
                 break
+            if self.state_slots is not None and self.state_slots.num_free < group:
+                break  # a slot for it and each of its forks
             tokens = req.all_token_ids
             hits = self.bm.prefix_hits(req.request_id, tokens, req.cache_salt)
             num_cached = len(hits[0]) * self.bm.block_size
@@ -228,6 +251,9 @@ class Scheduler:
                 break  # head of line waits for memory; lower priorities must not overtake it
             heapq.heappop(self._waiting)
             del self.waiting[req.request_id]
+            if self.state_slots is not None:
+                for seq, slot in zip((req, *req.pending_forks), self.state_slots.take(group)):
+                    seq.state_slot = slot
             if req.status is RequestStatus.WAITING:  # first admission, not a readmission
                 req.num_cached_tokens = num_cached
             self.counters.prefix_cache_queries += len(tokens)

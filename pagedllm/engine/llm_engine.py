@@ -14,7 +14,8 @@ from ..core.block_manager import BlockManager
 from ..core.kv_spec import plan_kv_layout
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
-from ..errors import InvalidRequestError
+from ..core.state_slots import StateSlots
+from ..errors import ConfigError, InvalidRequestError
 from ..executor import executor_for
 from ..model_executor.model_runner import StepResult
 from ..outputs import Logprob, RequestOutput
@@ -52,6 +53,12 @@ class LLMEngine:
         if self.spec is not None and self.spec.method == "draft_model":  # its KV pool mirrors ours block for block
             draft = self.executor.load_draft_model(self.spec.model)
         specs = loaded.model.kv_specs()
+        has_state = getattr(loaded.model, "has_state", False)  # linear-attention layers: a state per sequence
+        if has_state and self.spec is not None:
+            raise ConfigError(f"{mc.architecture} keeps a linear-attention state, which cannot roll back rejected "
+                              "proposals: speculative decoding is not supported for it")
+        if has_state and config.enable_prefix_caching:
+            log.info("prefix caching off: %s's linear-attention state is not kept at block boundaries", mc.architecture)
         layout = plan_kv_layout(specs, config.hybrid_kv_cache)
         if draft is not None and layout.groups[0].sliding_window is not None:  # the draft mirrors the first group
             layout = plan_kv_layout(specs, hybrid=False)
@@ -60,11 +67,20 @@ class LLMEngine:
         num_blocks, bs, kv_dtype, cache_cls = size.num_blocks, size.block_size, size.kv_dtype, size.cache_cls
         self.max_model_len = max_len = size.max_model_len
         self.kv_bytes_per_token, self.bytes_per_block = size.bytes_per_token, size.bytes_per_block
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, layout.windows)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        max_seqs, state_slots = config.max_num_seqs, None
+        if has_state:  # a slot per running sequence; the states never take more memory than the KV pool
+            per_seq = loaded.model.state_bytes_per_seq()
+            max_seqs = min(max_seqs, max(1, num_blocks * size.bytes_per_block // per_seq))
+            state_slots = StateSlots(max_seqs)
+            log.info("linear-attention state: %d slots x %.1f MiB (at most %d running sequences)", max_seqs,
+                     per_seq / 2**20, max_seqs)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching and not has_state,
+                                          layout.windows)
+        self.scheduler = Scheduler(self.block_manager, max_seqs, config.max_num_batched_tokens,
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
-                                   config.watermark)
-        self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls, layout)
+                                   config.watermark, state_slots)
+        self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls, layout,
+                                                  max_seqs if has_state else 0)
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self.num_steps = 0

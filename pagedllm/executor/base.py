@@ -31,9 +31,9 @@ class Executor:
         return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry)
 
     def init_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      cache_cls: type, layout: KVLayout | None = None) -> ModelRunner:
-        """The KV pool (every rank's share of it) and the runner over it."""
-        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls, layout)
+                      cache_cls: type, layout: KVLayout | None = None, num_state_slots: int = 0) -> ModelRunner:
+        """The KV pool (every rank's share of it), the linear-attention states if any, and the runner over them."""
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, cache_cls, layout, num_state_slots)
         return self.runner
 
     def execute_model(self, sched: SchedulerOutput, tables: Tables,

@@ -230,8 +230,8 @@ class TPExecutor(Executor):
             raise
 
     def init_kv_cache(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      cache_cls: type, layout: Any = None) -> Any:
-        runner = super().init_kv_cache(model, num_blocks, block_size, kv_dtype, cache_cls, layout)
+                      cache_cls: type, layout: Any = None, num_state_slots: int = 0) -> Any:
+        runner = super().init_kv_cache(model, num_blocks, block_size, kv_dtype, cache_cls, layout, num_state_slots)
         self.driver.setup(num_blocks, block_size, kv_dtype, cache_cls, runner.layout)
         return runner
 

@@ -79,6 +79,7 @@ class AttentionMetadata:
     _windows: dict = field(default_factory=dict, repr=False)  # window -> this step's metadata for it
     # per layer, when the layout has several groups: the metadata over that layer's group's tables
     layer_meta: list[AttentionMetadata] | None = field(default=None, repr=False)
+    state_seqs: list = field(default_factory=list)  # linear-attention layers' sequences (gated_delta_net.StateSeq)
 
     def for_layer(self, index: int) -> AttentionMetadata:
         return self if self.layer_meta is None else self.layer_meta[index]

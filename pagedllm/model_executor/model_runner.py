@@ -13,6 +13,7 @@ from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 from .attention import MetadataBuilder
 from .kv_cache import KVCache
+from .layers.gated_delta_net import StateSeq
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,14 @@ class BatchItem:
     num_prompt_tokens: int
     num_spec: int = 0  # proposals scored after its last known token
     completes: bool = True  # its last known token is among the new ones: it samples
+    state_slot: int | None = None  # its linear-attention state's slot (models with such layers)
 
 
 @dataclass
 class Batch:
     items: list[BatchItem]
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before any write
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # forks' state slots (src, dst), first too
 
 
 def batch_of(sched: SchedulerOutput) -> Batch:
@@ -38,8 +41,8 @@ def batch_of(sched: SchedulerOutput) -> Batch:
     for s in sched.scheduled:
         r, start = s.request, s.request.num_computed_tokens
         items.append(BatchItem(r.request_id, start, r.tokens_slice(start, start + s.num_new_tokens),
-                               r.num_prompt_tokens, s.num_spec, s.completes))
-    return Batch(items, list(sched.copies))
+                               r.num_prompt_tokens, s.num_spec, s.completes, r.state_slot))
+    return Batch(items, list(sched.copies), list(sched.state_copies))
 
 
 @dataclass
@@ -54,23 +57,27 @@ Tables = Sequence[Mapping[str, list[int]]]  # one per group of the layout: reque
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype, cache_factory=KVCache, layout: KVLayout | None = None) -> None:
-        """layout: how layers share the pool (kv_spec.plan_kv_layout); None: one group, full tables."""
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 cache_factory=KVCache, layout: KVLayout | None = None, num_state_slots: int = 0) -> None:
+        """layout: how layers share the pool (kv_spec.plan_kv_layout); None: one group, full tables.
+        num_state_slots: the states of linear-attention layers (models with them), one per running sequence."""
         self.model = model
         self.block_size = block_size
         cfg = model.cfg
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
         specs = model.kv_specs()
         self.layout = layout or plan_kv_layout(specs, hybrid=False)
-        slot_spec = {slot: specs[i] for i, slot in reversed(list(enumerate(self.layout.slot_of_layer)))}
+        slot_spec = {slot: specs[i] for i, slot in reversed(list(enumerate(self.layout.slot_of_layer))) if slot >= 0}
         # one pool tensor per slot; layer i of every group keeps its K/V in slot i's
         self.slot_caches = [cache_factory(num_blocks, block_size, slot_spec[j].num_kv_heads, slot_spec[j].head_dim,
                                           kv_dtype, self.dtype) for j in range(self.layout.num_slots)]
-        self.caches = [self.slot_caches[j] for j in self.layout.slot_of_layer]  # per layer
+        states = model.state_caches(num_state_slots) if num_state_slots else {}
+        self.state_caches = list(states.values())
+        self.caches = [self.slot_caches[j] if j >= 0 else states[i]  # per layer
+                       for i, j in enumerate(self.layout.slot_of_layer)]
         layer, backend = model.layers[0], model.backend  # the backend chose the kernels once, at load
         self.argmax = backend.argmax_rows
-        op, chunk_op = backend.paged_ops(self.caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
+        op, chunk_op = backend.paged_ops(self.slot_caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
         hybrid = self.layout.hybrid
         self.attns = [MetadataBuilder(block_size, g.sliding_window if hybrid else cfg.sliding_window, op, chunk_op)
                       for g in self.layout.groups]
@@ -109,6 +116,9 @@ class ModelRunner:
         for src, dst in batch.copies:  # copy-on-write before anything writes
             for c in self.slot_caches:
                 c.copy_block(src, dst)
+        for src, dst in batch.state_copies:
+            for c in self.state_caches:
+                c.copy_slot(src, dst)
         if not batch.items:  # copies only (a draft pool following the target's copy-on-write)
             return StepResult(torch.zeros(0, self.model.cfg.vocab_size), [], [])
         bs, attn = self.block_size, self.attn
@@ -120,6 +130,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list[int] = []
         num_rows: list[int] = []
+        state_seqs: list[StateSeq] = []
         for a in self.attns:
             a.begin()
         for i in order:
@@ -128,6 +139,8 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(s.token_ids)
             pos.extend(range(start, start + n))
+            if s.state_slot is not None:
+                state_seqs.append(StateSeq(s.state_slot, q_start, n, s.start == 0))
             for g, a in enumerate(self.attns):
                 table = tables[g][s.request_id]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -140,8 +153,9 @@ class ModelRunner:
                 num_rows.append(1 + s.num_spec)
         metas = [a.build(sl) for a, sl in zip(self.attns, slots)]
         meta = metas[0]
-        if len(metas) > 1:
-            meta.layer_meta = [metas[g] for g in self.layout.group_of_layer]
+        meta.state_seqs = state_seqs
+        if len(metas) > 1:  # a layer without KV (group -1) reads the first group's: only its state rows matter
+            meta.layer_meta = [metas[max(g, 0)] for g in self.layout.group_of_layer]
         logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long))
         return StepResult(logits, sampled, num_rows)

@@ -34,8 +34,8 @@ def step(s: Scheduler) -> dict[str, int]:
     return {x.request.request_id: x.num_new_tokens for x in out.scheduled}
 
 
-CONTROL_PLANE = ["core.scheduler", "core.block_manager", "core.request", "core.kv_spec", "sampling_params", "limits", "outputs",
-                 "tools.planner", "tools.simulate"]
+CONTROL_PLANE = ["core.scheduler", "core.block_manager", "core.request", "core.kv_spec", "core.state_slots",
+                 "sampling_params", "limits", "outputs", "tools.planner", "tools.simulate"]
 
 
 def test_control_plane_never_loads_torch():

@@ -8,7 +8,7 @@ import pytest
 from conftest import full_layout_kv_memory
 from helpers import hf_greedy
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 
@@ -73,3 +73,29 @@ def test_the_kv_map_shows_every_groups_blocks(tiny_models):
     assert [r["blocks"] for r in snap["requests"]] == [bm.num_blocks_of(f"r{i}") for i in range(3)]
     assert all(o >= 0 for o, s in zip(snap["pool"]["owner"], snap["pool"]["state"]) if s >= 2)
     assert snap["stats"]["kv_groups"] == ["full"] + ["sliding_window=24"] * 6
+
+
+def test_linear_attention_state_is_constant_in_length_and_its_limits_are_clear(tiny_models):
+    """Qwen3.5: its linear-attention layers hold one state slot per sequence whatever the length; only the full-
+    attention layer holds KV blocks; what a state cannot do (roll back, be shared at a prefix) is refused or off."""
+    path, hf = tiny_models["qwen3.5"]
+    llm = LLM(model=path, dtype="float32", block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)
+    engine = llm.engine
+    assert engine.block_manager.windows == [None] and not engine.block_manager.enable_caching
+    states = engine.runner.state_caches
+    assert len(states) == 3 and engine.runner.caches[2] is engine.runner.slot_caches[0]  # layer 2 keeps KV
+    bytes_per_slot = sum(c.conv[0].nbytes + c.recurrent[0].nbytes for c in states)
+    assert bytes_per_slot == engine.runner.model.state_bytes_per_seq()
+    rng = random.Random(3)
+    for length in (20, 400):
+        prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(length)]
+        engine.add_request(str(length), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            out = engine.step()
+            if engine.has_unfinished_requests():  # while it runs: one slot of state, KV blocks of one layer
+                assert engine.scheduler.state_slots.num_free == engine.scheduler.state_slots.num_slots - 1
+        assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+    with pytest.raises(ConfigError, match="speculative decoding is not supported"):
+        LLM(model=path, dtype="float32", num_kv_blocks=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -16,7 +16,7 @@ from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedllm.engine.llm_engine import LLMEngine
 
 ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe", "olmoe",
-         "gpt-oss"]
+         "gpt-oss", "qwen3.5"]
 PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]
 
 
@@ -41,7 +41,7 @@ def test_prefill_logits_match_hf(tiny_models, arch):
     prompt = prompts_for(model.config.vocab_size)[6]  # 250 tokens: crosses the sliding window
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]  # [T, V]
-    req = Request("r", prompt, SamplingParams(max_tokens=1))
+    req = Request("r", prompt, SamplingParams(max_tokens=1), state_slot=0)  # slot 0: linear-attention layers' state
     engine.block_manager.allocate_slots("r", prompt, 0, len(prompt))
     # the whole prompt in one step: the last row's logits (chunked starts are tested below)
     out = SchedulerOutput([ScheduledRequest(req, len(prompt))])
@@ -62,7 +62,7 @@ def test_chunked_prefill_logits_match_hf(tiny_models, arch, use_op):
     prompt = prompts_for(model.config.vocab_size)[7]
     with torch.no_grad():
         ref = model(torch.tensor([prompt])).logits[0]
-    req = Request("r", prompt, SamplingParams(max_tokens=1))
+    req = Request("r", prompt, SamplingParams(max_tokens=1), state_slot=0)
     done = 0
     for chunk in (37, 100, 1, 90, 72):
         engine.block_manager.allocate_slots("r", prompt, done, chunk)
@@ -116,7 +116,9 @@ def test_greedy_matches_hf_through_preemption_prefix_hits_and_n2(tiny_models, ar
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
     assert [[c.token_ids for c in o.outputs] for o in first + rest] == [[r, r] for r in refs]
     st = llm.stats()
-    assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
+    # a model with linear-attention layers keeps no prefix cache (its state is not kept at block boundaries)
+    stateful = getattr(llm.engine.runner.model, "has_state", False)
+    assert st.num_preemptions > 0 and (st.prefix_cache_hits > 0) != stateful
 
 
 def test_packed_weights_keep_the_model_shape_accounting(tiny_models):

@@ -111,7 +111,8 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         for spec, _ in layer_linears(names, layer):
             linear(layer, spec, prefix)
         for n in names.norms:
-            set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), tp)
+            if hasattr(layer, n.attr):  # a layer of one kind skips the other kind's (Qwen3.5)
+                set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), tp)
     sd.clear()  # the loaded tensors now belong to the model (or were cut from)
     if blocks_dequantized:
         log.warning("%d linears stored in a block format (MXFP4) dequantized at load to %s", blocks_dequantized,

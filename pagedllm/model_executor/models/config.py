@@ -43,6 +43,12 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     swiglu_alpha: float = 1.702  # gpt-oss's clamped SwiGLU
     swiglu_limit: float = 7.0
+    # linear-attention layers (Qwen3.5's Gated DeltaNet)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers

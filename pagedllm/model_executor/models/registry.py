@@ -39,6 +39,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
     "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
     "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True),
+    "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM"),
 }
 
 

@@ -1,0 +1,214 @@
+"""Qwen3.5 (dense, text): three linear-attention layers (Gated DeltaNet) for each full-attention one.
+
+- Linear-attention layers keep no KV: a fixed-size state per sequence (layers/gated_delta_net.py), in a state slot
+  the scheduler gives each running sequence. Their projection fuses HF's in_proj_qkv, in_proj_z, in_proj_b and
+  in_proj_a into one linear; a depthwise causal conv (kernel 4, SiLU) runs over the q, k, v channels; the output is
+  RMS-normed per value head (a plain weight), gated by SiLU(z), and projected out.
+- Full-attention layers are Qwen3's (an RMSNorm over each head of q and k before rope) with rope on the leading
+  quarter of each head, and an output gate: q_proj yields each head's q and its gate side by side, and the
+  attention's output is multiplied by sigmoid(gate) before o_proj.
+- Every RMSNorm but the gated one scales by (1 + w), as Gemma's do.
+
+HF `Qwen3_5ForCausalLM`. Text positions only: the multimodal rope's three position streams coincide for text,
+which makes it the plain rope. A state cannot be rolled back or shared at a prefix boundary, so speculative
+decoding is refused and prefix caching is off for this model; tensor parallelism is not supported yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...core.kv_spec import KVSpec
+from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked, l2norm, recurrent_step
+from ..layers.linear import PackedLinear
+from .config import ModelConfig
+from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm, partial_rotary_order, rotary_dim
+from .qwen3 import Qwen3DecoderLayer
+from .weight_names import Linear, Param, Part
+
+LINEAR = "linear_attention"
+_LLAMA = LlamaForCausalLM.WEIGHTS
+
+
+class Qwen3_5AttentionLayer(Qwen3DecoderLayer):
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
+        super().__init__(cfg, biases, index)
+        # q_proj's rows: per head, its q then its gate (head_dim each)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, "qkv_proj" in biases)
+        self._gate: torch.Tensor | None = None
+
+    def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        t, d = h.shape[0], self.head_dim
+        out = self.qkv_proj(h, decode_rows)  # [T, 2 H D + 2 KVH D]
+        q_gate = out[:, :2 * self.q_size].view(t, self.num_heads, 2 * d)
+        self._gate = q_gate[..., d:].reshape(t, self.q_size)
+        qkv = torch.cat((q_gate[..., :d].reshape(t, self.q_size), out[:, 2 * self.q_size:]), dim=-1)  # [T, (H + 2 KVH) D]
+        self.backend.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
+                             self.num_kv_heads, self.head_dim)
+        return qkv
+
+    def self_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, meta) -> torch.Tensor:
+        nd = meta.num_decode_rows
+        qkv = self.project_qkv(h, nd)
+        a = self.backend.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
+                                   self.scale, self.sinks)  # [T, H, D]
+        gated = a.reshape(h.shape[0], self.q_size) * torch.sigmoid(self._gate)
+        self._gate = None
+        return self.o_proj(gated, nd)
+
+
+class Qwen3_5LinearLayer(DecoderLayer):
+    """A Gated DeltaNet token mixer in place of attention, then the same MLP."""
+
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
+        super().__init__(cfg, biases, index)
+        del self.qkv_proj, self.o_proj
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
+        self.in_proj = PackedLinear(cfg.hidden_size, self.conv_dim + self.hv * self.dv + 2 * self.hv)
+        self.out_proj = PackedLinear(self.hv * self.dv, cfg.hidden_size)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
+        self.eps = cfg.rms_norm_eps
+
+    def state_cache(self, num_slots: int) -> StateCache:
+        return StateCache(num_slots, self.conv_dim, self.kernel, self.hv, self.dk, self.dv)
+
+    def state_bytes(self) -> int:
+        return StateCache.bytes_per_slot(self.conv_dim, self.kernel, self.hv, self.dk, self.dv)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [..., conv_dim] -> q, k [..., Hv, Dk] (normalized, q scaled; each key head serves
+        Hv / Hk value heads) and v [..., Hv, Dv]."""
+        kd = self.hk * self.dk
+        q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
+        r = self.hv // self.hk
+        q = l2norm(q.unflatten(-1, (self.hk, self.dk)).repeat_interleave(r, dim=-2)) * self.dk ** -0.5
+        k = l2norm(k.unflatten(-1, (self.hk, self.dk)).repeat_interleave(r, dim=-2))
+        return q, k, v.unflatten(-1, (self.hv, self.dv))
+
+    def mix(self, h: torch.Tensor, cache: StateCache, seqs: list[StateSeq], decode_rows: int) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]: each sequence's rows continue its state (zero where it is fresh)."""
+        t = h.shape[0]
+        p = self.in_proj(h, decode_rows).float()
+        mixed, z, b, a = p.split([self.conv_dim, self.hv * self.dv, self.hv, self.hv], dim=-1)
+        beta = torch.sigmoid(b)  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [T, Hv]: log decay, <= 0
+        w = self.conv_weight.float().view(self.conv_dim, self.kernel)
+        out = torch.zeros(t, self.hv, self.dv)
+        steps = [s for s in seqs if s.n == 1]
+        if steps:  # one token each: batched
+            rows, slots = torch.tensor([s.q_start for s in steps]), torch.tensor([s.slot for s in steps])
+            keep = torch.tensor([0.0 if s.fresh else 1.0 for s in steps])
+            conv_state = cache.conv[slots] * keep[:, None, None]
+            y, cache.conv[slots] = causal_conv(mixed[rows].unsqueeze(-1), conv_state, w)  # y [B, C, 1]
+            q, k, v = self._heads(y[..., 0])
+            o, cache.recurrent[slots] = recurrent_step(q, k, v, g[rows], beta[rows],
+                                                       cache.recurrent[slots] * keep[:, None, None, None])
+            out[rows] = o
+        for s in seqs:
+            if s.n == 1:
+                continue
+            r = slice(s.q_start, s.q_start + s.n)
+            conv_state = cache.conv[s.slot:s.slot + 1] * (0.0 if s.fresh else 1.0)
+            y, cache.conv[s.slot:s.slot + 1] = causal_conv(mixed[r].T.unsqueeze(0), conv_state, w)  # y [1, C, n]
+            q, k, v = self._heads(y[0].T)  # [n, Hv, D]
+            state = cache.recurrent[s.slot] * (0.0 if s.fresh else 1.0)
+            o, cache.recurrent[s.slot] = chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 g[r].T, beta[r].T, state)
+            out[r] = o.transpose(0, 1)
+        # per value head: RMS-normed, scaled by its weight, gated by SiLU(z)
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+        gated = normed * F.silu(z.view(t, self.hv, self.dv))
+        return self.out_proj(gated.view(t, -1).to(h.dtype), decode_rows)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                cache: StateCache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual, self.backend)
+        o = self.mix(h, cache, meta.state_seqs, meta.num_decode_rows)
+        h, residual = self.post_attention_layernorm(o, residual, self.backend)
+        return self.feed_forward(h, meta.num_decode_rows), residual
+
+
+def _layer(cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> DecoderLayer:
+    cls = Qwen3_5LinearLayer if cfg.layer_types[index] == LINEAR else Qwen3_5AttentionLayer
+    return cls(cfg, biases, index)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    layer_cls = staticmethod(_layer)
+    supports_tensor_parallel = False
+    has_state = True  # linear-attention layers: state slots, no prefix caching, no speculative decoding
+    WEIGHTS = dataclasses.replace(
+        _LLAMA,
+        linears=(*_LLAMA.linears,
+                 Linear("in_proj", (Part("linear_attn.in_proj_qkv", "attn_qkv"), Part("linear_attn.in_proj_z", "attn_gate"),
+                                    Part("linear_attn.in_proj_b", "ssm_beta"), Part("linear_attn.in_proj_a", "ssm_alpha"))),
+                 Linear("out_proj", (Part("linear_attn.out_proj", "ssm_out"),), "row")),
+        norms=(*_LLAMA.norms, Param("q_norm", "self_attn.q_norm", "attn_q_norm"),
+               Param("k_norm", "self_attn.k_norm", "attn_k_norm"),
+               Param("conv_weight", "linear_attn.conv1d", "ssm_conv1d"), Param("dt_bias", "linear_attn.dt_bias", "ssm_dt"),
+               Param("A_log", "linear_attn.A_log", "ssm_a"), Param("norm_weight", "linear_attn.norm", "ssm_norm")),
+        gguf_interleaved_rope=frozenset(),
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> ModelConfig:
+        cfg = ModelConfig.from_hf(raw)
+        cfg.layer_types = tuple(raw["layer_types"])
+        cfg.linear_num_key_heads, cfg.linear_num_value_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
+        cfg.linear_key_head_dim, cfg.linear_value_head_dim = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
+        cfg.linear_conv_kernel_dim = raw.get("linear_conv_kernel_dim", 4)
+        return cfg
+
+    @classmethod
+    def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+        """dt_bias and A_log are bare parameters in HF's checkpoints: named as the map's weights."""
+        for i in range(cfg.num_layers):
+            for name in ("dt_bias", "A_log"):
+                key = cls.WEIGHTS.hf_layer.format(i) + "linear_attn." + name
+                if key in sd:
+                    sd[key + ".weight"] = sd.pop(key)
+
+    def after_load(self, source: str) -> None:
+        if source == "hf":  # (1 + w), as Gemma's norms
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight.data += 1
+        cfg, d = self.cfg, self.cfg.head_dim
+        rot = rotary_dim(cfg)
+        if rot == d:
+            return
+        # rope on the leading `rot` dims of each head: q and k dims (and their norms' weights) reordered so that the
+        # full-width kernels rotate exactly those (partial_rotary_order); the gates and v keep their order
+        order = partial_rotary_order(d, rot)
+        starts = [h * 2 * d for h in range(cfg.num_heads)] + [2 * cfg.num_heads * d + j * d for j in range(cfg.num_kv_heads)]
+        rows = torch.cat([s + order for s in starts])
+        at = torch.cat([s + torch.arange(d) for s in starts])
+        for layer in self.layers:
+            if isinstance(layer, Qwen3_5AttentionLayer):
+                for t in (layer.qkv_proj.weight, layer.qkv_proj.bias):
+                    if t is not None:
+                        t.data[at] = t.data[rows]
+                for norm in (layer.q_norm, layer.k_norm):
+                    norm.weight.data = norm.weight.data[order]
+
+    def kv_specs(self) -> list[KVSpec | None]:
+        return [None if isinstance(layer, Qwen3_5LinearLayer) else KVSpec(layer.num_kv_heads, layer.head_dim)
+                for layer in self.layers]
+
+    def state_caches(self, num_slots: int) -> dict[int, StateCache]:
+        """Each linear-attention layer's states, by layer index."""
+        return {i: layer.state_cache(num_slots) for i, layer in enumerate(self.layers)
+                if isinstance(layer, Qwen3_5LinearLayer)}
+
+    def state_bytes_per_seq(self) -> int:
+        return sum(layer.state_bytes() for layer in self.layers if isinstance(layer, Qwen3_5LinearLayer))
