@@ -36,7 +36,9 @@ class ModelShape:
     weights_bytes: int | None = None  # as deployed, when known
     num_experts: int = 0  # a mixture of experts: every layer's MLP is num_experts of moe_intermediate_size
     moe_intermediate_size: int = 0
-    layer_windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: full); () every layer full
+    layer_windows: tuple[int | None, ...] = ()  # each KV layer's sliding window (None: full); () every one full
+    state_layers: int = 0  # layers that keep a fixed state per sequence instead of KV (linear attention)
+    state_bytes_per_seq: int = 0  # those layers' state, one sequence (fp32)
 
     @property
     def num_params(self) -> int:
@@ -67,11 +69,22 @@ def hf_layer_windows(cfg: dict) -> tuple[int | None, ...]:
     if window is None or cfg.get("use_sliding_window") is False:
         return ()
     if cfg.get("layer_types"):
-        return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"])
+        return tuple(window if t == "sliding_attention" else None for t in cfg["layer_types"] if t != "linear_attention")
     if str(cfg.get("model_type", "")).startswith("gemma3"):
         pattern = cfg.get("sliding_window_pattern") or 6
         return tuple(None if (i + 1) % pattern == 0 else window for i in range(n))
     return (window,) * n
+
+
+def linear_attention_state(cfg: dict) -> tuple[int, int]:
+    """(layers, fp32 bytes per sequence) of Gated DeltaNet layers (Qwen3.5): a conv state of the last K - 1
+    inputs of its q, k, v channels and a [Dk, Dv] recurrent state per value head."""
+    n = sum(1 for t in cfg.get("layer_types") or () if t == "linear_attention")
+    if not n:
+        return 0, 0
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, k = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg.get("linear_conv_kernel_dim", 4)
+    return n, n * 4 * ((2 * hk * dk + hv * dv) * (k - 1) + hv * dk * dv)
 
 
 def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
@@ -79,12 +92,13 @@ def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
         cfg = {"tie_word_embeddings": cfg.get("tie_word_embeddings", False), **cfg["text_config"]}
     heads = cfg["num_attention_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    state_layers, state_bytes = linear_attention_state(cfg)
     return ModelShape(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
                       cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
                       cfg["intermediate_size"], cfg["vocab_size"], cfg.get("max_position_embeddings", 2048),
                       cfg.get("tie_word_embeddings", False), num_experts=experts,
                       moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-                      layer_windows=hf_layer_windows(cfg))
+                      layer_windows=hf_layer_windows(cfg), state_layers=state_layers, state_bytes_per_seq=state_bytes)
 
 
 # the sliding-window layers llama.cpp fixes in code per architecture (the file gives only the window)
@@ -130,15 +144,16 @@ def load_shape(model: str | None = None, preset: str | None = None) -> ModelShap
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
     per_elem = KV_DTYPE_BYTES[kv_dtype]
     per_head = shape.head_dim * per_elem + (FP8_SCALE_BYTES if kv_dtype.startswith("fp8") else 0)
-    return int(2 * shape.num_layers * shape.num_kv_heads * per_head)
+    return int(2 * (shape.num_layers - shape.state_layers) * shape.num_kv_heads * per_head)
 
 
 def kv_bytes_per_sequence(shape: ModelShape, kv_dtype: str, num_tokens: int, block_size: int,
                           hybrid: bool = True) -> int:
     """The paged KV one sequence of num_tokens holds while it decodes: every layer's blocks, or with the
     hybrid layout a full-attention group's every block and a sliding group's window (the engine's pages)."""
-    per_layer = kv_bytes_per_token(shape, kv_dtype) // shape.num_layers
-    windows = shape.layer_windows or (None,) * shape.num_layers
+    kv_layers = shape.num_layers - shape.state_layers
+    per_layer = kv_bytes_per_token(shape, kv_dtype) // kv_layers
+    windows = shape.layer_windows or (None,) * kv_layers
     layout = plan_kv_layout([KVSpec(shape.num_kv_heads, shape.head_dim, w) for w in windows], hybrid)
     blocks = 0
     for g in layout.groups:
@@ -146,15 +161,16 @@ def kv_bytes_per_sequence(shape: ModelShape, kv_dtype: str, num_tokens: int, blo
         if g.sliding_window is not None:  # the blocks before the next token's window are gone
             held -= max(0, num_tokens - g.sliding_window + 1) // block_size
         blocks += held
-    return blocks * block_size * layout.num_slots * per_layer
+    return blocks * block_size * layout.num_slots * per_layer + shape.state_bytes_per_seq
 
 
 def layout_summary(shape: ModelShape) -> str:
-    windows = shape.layer_windows or (None,) * shape.num_layers
+    windows = shape.layer_windows or (None,) * (shape.num_layers - shape.state_layers)
     kinds: dict[int | None, int] = {}
     for w in windows:
         kinds[w] = kinds.get(w, 0) + 1
-    return ", ".join(f"{n} {'full' if w is None else f'window {w}'}" for w, n in kinds.items())
+    summary = ", ".join(f"{n} {'full' if w is None else f'window {w}'}" for w, n in kinds.items())
+    return summary + (f", {shape.state_layers} linear attention" if shape.state_layers else "")
 
 
 @dataclass
@@ -211,7 +227,7 @@ def plan(shape: ModelShape, memory: str | int, kv_dtype: str = "float16", block_
     if budget <= 0:
         raise ValueError(f"nothing left for KV: memory {mem} - weights {weights} - activations {act} <= 0")
     per_tok = kv_bytes_per_token(shape, kv_dtype)
-    per_seq_max = per_tok * max_len
+    per_seq_max = per_tok * max_len + shape.state_bytes_per_seq
     used = min(max_len, mean_prompt + mean_output)
     blocks = -(-used // block_size)
     per_seq_paged = kv_bytes_per_sequence(shape, kv_dtype, used, block_size)

@@ -217,6 +217,35 @@ def test_the_text_tower_of_a_gemma3_multimodal_checkpoint_generates_what_hf_does
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
+def test_the_text_tower_of_a_qwen3_5_multimodal_checkpoint_generates_what_hf_does(tmp_path) -> None:
+    """The released Qwen3.5 models are Qwen3_5ForConditionalGeneration: the language model's tensors under
+    `model.language_model.`, its config under `text_config`; text in, text out."""
+    import torch
+    import transformers
+
+    tc = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, initializer_range=0.15,
+              layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [1, 1, 0]})
+    vc = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=tc, vision_config=vc)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
+    assert type(llm.engine.runner.model).__name__ == "Qwen3_5TextTower"
+    prompts = [[(5 * i + 7 * j) % 300 + 1 for j in range(4 + 30 * i)] for i in range(3)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+
+
 def test_gpt_oss_from_a_gguf_generates_what_hf_does_and_runs_mxfp4_experts_as_stored(tiny_models, tmp_path) -> None:
     """`gpt-oss`: attention biases and sinks, the router's and experts' biases, the sliding-window pattern and the
     SwiGLU constants as llama.cpp fixes them, YaRN from the metadata. F32 gives HF's greedy tokens; experts in

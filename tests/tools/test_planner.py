@@ -119,3 +119,18 @@ def test_sliding_window_layers_hold_their_window_as_the_engine_lays_them_out():
     gpt = {**GEMMA3_4B, "model_type": "gpt_oss", "sliding_window": 128,
            "layer_types": ["sliding_attention", "full_attention"] * 17}
     assert shape_from_hf_config(gpt, "g").layer_windows == (128, None) * 17
+
+
+def test_linear_attention_layers_count_their_state_not_kv():
+    """Qwen3.5's shape: 32 layers, 8 of them full attention; the other 24 keep a conv state and a recurrent state."""
+    cfg = {"model_type": "qwen3_5_text", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 12288, "vocab_size": 248320,
+           "max_position_embeddings": 32768, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+    shape = shape_from_hf_config(cfg, "qwen3.5")
+    state = 24 * 4 * ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128)
+    assert (shape.state_layers, shape.state_bytes_per_seq) == (24, state)
+    assert kv_bytes_per_token(shape, "bfloat16") == 2 * 8 * 4 * 256 * 2
+    assert kv_bytes_per_sequence(shape, "bfloat16", 1000, 16) == 63 * 16 * 8 * 4096 + state
+    assert plan(shape, "80GB", "bfloat16").layers == "8 full, 24 linear attention"

@@ -212,3 +212,24 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def state_bytes_per_seq(self) -> int:
         return sum(layer.state_bytes() for layer in self.layers if isinstance(layer, Qwen3_5LinearLayer))
+
+
+class Qwen3_5TextTower(Qwen3_5ForCausalLM):
+    """The language model of a `Qwen3_5ForConditionalGeneration` checkpoint (the released Qwen3.5 models): text in,
+    text out; its tensors under `model.language_model.`, its config under `text_config`. The vision tower's and the
+    multi-token-prediction head's tensors are not read."""
+
+    WEIGHTS = dataclasses.replace(
+        Qwen3_5ForCausalLM.WEIGHTS,
+        embed=Param("embed_tokens", "model.language_model.embed_tokens", "token_embd"),
+        norm=Param("norm", "model.language_model.norm", "output_norm"),
+        hf_layer="model.language_model.layers.{}.",
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> ModelConfig:
+        text = {**raw["text_config"], "architectures": raw.get("architectures")}
+        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+            if key in raw and key not in raw["text_config"]:
+                text[key] = raw[key]
+        return super().config_from_hf(text)

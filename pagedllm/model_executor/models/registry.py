@@ -40,6 +40,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
     "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True),
     "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
 }
 
 
