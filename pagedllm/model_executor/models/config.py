@@ -49,6 +49,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    shared_expert_intermediate_size: int = 0  # a MoE layer's always-on expert, gated per token (Qwen3.5-MoE)
 
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense, text): three linear-attention layers (Gated DeltaNet) for each full-attention one.
+"""Qwen3.5 (dense and MoE, text): three linear-attention layers (Gated DeltaNet) for each full-attention one.
 
 - Linear-attention layers keep no KV: a fixed-size state per sequence (layers/gated_delta_net.py), in a state slot
   the scheduler gives each running sequence. Their projection fuses HF's in_proj_qkv, in_proj_z, in_proj_b and
@@ -8,8 +8,10 @@
   quarter of each head, and an output gate: q_proj yields each head's q and its gate side by side, and the
   attention's output is multiplied by sigmoid(gate) before o_proj.
 - Every RMSNorm but the gated one scales by (1 + w), as Gemma's do.
+- Qwen3.5-MoE: every MLP is routed experts (softmax, top-k renormalized) plus a shared expert gated per token.
 
-HF `Qwen3_5ForCausalLM`. Text positions only: the multimodal rope's three position streams coincide for text,
+HF `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`, and the language model of their `...ForConditionalGeneration`
+checkpoints. Text positions only: the multimodal rope's three position streams coincide for text,
 which makes it the plain rope. A state cannot be rolled back or shared at a prefix boundary, so speculative
 decoding is refused and prefix caching is off for this model; tensor parallelism is not supported yet.
 """
@@ -28,13 +30,34 @@ from ..layers.linear import PackedLinear
 from .config import ModelConfig
 from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm, partial_rotary_order, rotary_dim
 from .qwen3 import Qwen3DecoderLayer
+from .qwen3_moe import MOE_EXPERTS, ROUTER
 from .weight_names import Linear, Param, Part
 
 LINEAR = "linear_attention"
 _LLAMA = LlamaForCausalLM.WEIGHTS
 
 
-class Qwen3_5AttentionLayer(Qwen3DecoderLayer):
+class SharedExpert:
+    """Qwen3.5-MoE's layers: beside the routed experts, an always-on SwiGLU expert whose output is scaled per token
+    by sigmoid(shared_expert_gate(h))."""
+
+    def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
+        super().__init__(cfg, biases, index)
+        self.shared = cfg.shared_expert_intermediate_size
+        if self.shared:
+            self.shared_gate_up = PackedLinear(cfg.hidden_size, 2 * self.shared)
+            self.shared_down = PackedLinear(self.shared, cfg.hidden_size)
+            self.shared_expert_gate = PackedLinear(cfg.hidden_size, 1)
+
+    def feed_forward(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        out = super().feed_forward(h, decode_rows)
+        if not self.shared:
+            return out
+        act = self.backend.gate_up_act(self.shared_gate_up, h, decode_rows, "silu")  # [T, shared]
+        return out + torch.sigmoid(self.shared_expert_gate(h, decode_rows)) * self.shared_down(act, decode_rows)
+
+
+class Qwen3_5AttentionLayer(SharedExpert, Qwen3DecoderLayer):
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
         super().__init__(cfg, biases, index)
         # q_proj's rows: per head, its q then its gate (head_dim each)
@@ -61,7 +84,7 @@ class Qwen3_5AttentionLayer(Qwen3DecoderLayer):
         return self.o_proj(gated, nd)
 
 
-class Qwen3_5LinearLayer(DecoderLayer):
+class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
     """A Gated DeltaNet token mixer in place of attention, then the same MLP."""
 
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
@@ -149,7 +172,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     has_state = True  # linear-attention layers: state slots, no prefix caching, no speculative decoding
     WEIGHTS = dataclasses.replace(
         _LLAMA,
-        linears=(*_LLAMA.linears,
+        linears=(*_LLAMA.linears, ROUTER,
+                 Linear("shared_gate_up", (Part("mlp.shared_expert.gate_proj", "ffn_gate_shexp"),
+                                           Part("mlp.shared_expert.up_proj", "ffn_up_shexp"))),
+                 Linear("shared_down", (Part("mlp.shared_expert.down_proj", "ffn_down_shexp"),), "row"),
+                 Linear("shared_expert_gate", (Part("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),), "replicated"),
                  Linear("in_proj", (Part("linear_attn.in_proj_qkv", "attn_qkv"), Part("linear_attn.in_proj_z", "attn_gate"),
                                     Part("linear_attn.in_proj_b", "ssm_beta"), Part("linear_attn.in_proj_a", "ssm_alpha"))),
                  Linear("out_proj", (Part("linear_attn.out_proj", "ssm_out"),), "row")),
@@ -157,12 +184,16 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                Param("k_norm", "self_attn.k_norm", "attn_k_norm"),
                Param("conv_weight", "linear_attn.conv1d", "ssm_conv1d"), Param("dt_bias", "linear_attn.dt_bias", "ssm_dt"),
                Param("A_log", "linear_attn.A_log", "ssm_a"), Param("norm_weight", "linear_attn.norm", "ssm_norm")),
+        experts=MOE_EXPERTS,
         gguf_interleaved_rope=frozenset(),
     )
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> ModelConfig:
+        if "intermediate_size" not in raw:  # Qwen3.5-MoE: every layer's MLP is experts
+            raw = {**raw, "intermediate_size": raw["moe_intermediate_size"]}
         cfg = ModelConfig.from_hf(raw)
+        cfg.shared_expert_intermediate_size = raw.get("shared_expert_intermediate_size") or 0
         cfg.layer_types = tuple(raw["layer_types"])
         cfg.linear_num_key_heads, cfg.linear_num_value_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
         cfg.linear_key_head_dim, cfg.linear_value_head_dim = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
@@ -171,12 +202,22 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-        """dt_bias and A_log are bare parameters in HF's checkpoints: named as the map's weights."""
+        """dt_bias and A_log are bare parameters in HF's checkpoints: named as the map's weights. Qwen3.5-MoE stacks
+        a layer's experts: gate_up_proj [E, 2 I, hidden] (gate rows, then up rows), down_proj [E, hidden, I]; each
+        expert's linears are views of them."""
         for i in range(cfg.num_layers):
+            layer = cls.WEIGHTS.hf_layer.format(i)
             for name in ("dt_bias", "A_log"):
-                key = cls.WEIGHTS.hf_layer.format(i) + "linear_attn." + name
+                key = layer + "linear_attn." + name
                 if key in sd:
                     sd[key + ".weight"] = sd.pop(key)
+            p = layer + "mlp.experts."
+            if p + "gate_up_proj" in sd:
+                gate_up, down = sd.pop(p + "gate_up_proj"), sd.pop(p + "down_proj")
+                n = gate_up.shape[1] // 2
+                for e in range(gate_up.shape[0]):
+                    sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate_up[e, :n], gate_up[e, n:]
+                    sd[f"{p}{e}.down_proj.weight"] = down[e]
 
     def after_load(self, source: str) -> None:
         if source == "hf":  # (1 + w), as Gemma's norms

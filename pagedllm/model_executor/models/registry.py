@@ -41,6 +41,8 @@ _BUILTIN: dict[str, ModelEntry] = {
     "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True),
     "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM"),
     "Qwen3_5ForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
+    "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
 }
 
 
