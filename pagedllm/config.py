@@ -70,6 +70,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # worker processes over torch.distributed (tensor_parallel.py)
     max_logprobs: int = 20  # the most top logprobs a request may ask for per token (vLLM's max_logprobs)
     speculative_config: Any = None  # vLLM's: {"method": "ngram" | "draft_model", ...} or JSON; parsed into a SpeculativeConfig
+    kv_events_config: Any = None  # vLLM's: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...} or JSON
     model_registry: Any = None  # a ModelRegistry with architectures of one's own (None: the built-in ones)
 
     def __post_init__(self) -> None:
@@ -108,6 +109,10 @@ class EngineConfig:
             from .spec_decode.ngram import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.kv_events_config is not None:
+            from .engine.kv_events import KVEventsConfig
+
+            self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             # without chunking a whole prompt must fit in one step
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)

@@ -15,6 +15,9 @@ and leaves the decision (wait, preempt) to the scheduler.
 * Copy-on-write: forks share blocks by ref count; before a sequence writes into a shared,
   partially filled block, that block is copied into a fresh one (the copy is returned for the
   model runner to perform).
+* Events (`events`, None unless asked for): every key the prefix cache gains or loses, in order, as
+  ("stored", [keys], parent key, token ids) / ("removed", [keys]) / ("cleared",), so that a router
+  (engine/kv_events.py publishes them) can rebuild the cache's contents exactly.
 * Groups (kv_spec.plan_kv_layout): each group of layers has its own table per request, all drawn
   from this one pool. A sliding-window group's table entries before the window of the next token
   become NULL_BLOCK and their blocks go back to the pool (cached, so a later prompt can still hit
@@ -126,8 +129,9 @@ class Blocks:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)) -> None:
-        """windows: each group's sliding window (None: full attention), as kv_spec.KVLayout.windows."""
+                 windows: Sequence[int | None] = (None,), record_events: bool = False) -> None:
+        """windows: each group's sliding window (None: full attention), as kv_spec.KVLayout.windows;
+        record_events: keep the prefix cache's changes in `events` until take_events()."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
@@ -145,6 +149,7 @@ class BlockManager:
         # leading blocks of each group's table already offered to the cache
         self._num_registered: list[dict[str, int]] = [{} for _ in self.windows]
         self._in_use = [0] * len(self.windows)  # blocks with holders, by group
+        self.events: list[tuple] | None = [] if record_events else None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -245,7 +250,7 @@ class BlockManager:
         blk = self.blocks[bid]
         if blk.block_hash is not None:  # evict its cached prefix
             if self.cached.get(blk.block_hash) == bid:
-                del self.cached[blk.block_hash]
+                self._uncache(blk.block_hash)
             blk.block_hash = None
             blk.token_ids = None
         blk.ref_cnt = 1
@@ -341,6 +346,7 @@ class BlockManager:
         hashes = self._extend_hashes(request_id, token_ids, num_full, salt)
         table = self.group_tables[g][request_id]
         registered = self._num_registered[g]
+        stored: list[int] = []  # block indices whose keys are new to the cache
         for i in range(registered.get(request_id, 0), num_full):
             if table[i] == NULL_BLOCK:
                 continue
@@ -350,8 +356,32 @@ class BlockManager:
             blk.block_hash = self._key(hashes[i], g)
             blk.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
             # a block with the same content computed concurrently keeps the first mapping
-            self.cached.setdefault(blk.block_hash, blk.block_id)
+            if self.cached.setdefault(blk.block_hash, blk.block_id) == blk.block_id:
+                stored.append(i)
         registered[request_id] = max(num_full, registered.get(request_id, 0))
+        if self.events is not None:
+            self._record_stored(g, hashes, stored, token_ids)
+
+    def _record_stored(self, g: int, hashes: list[bytes], stored: list[int], token_ids: Sequence[int]) -> None:
+        """One event per run of consecutive blocks: their keys, the key of the block before the run, their tokens."""
+        bs, start = self.block_size, 0
+        for j in range(1, len(stored) + 1):
+            if j == len(stored) or stored[j] != stored[j - 1] + 1:
+                first, last = stored[start], stored[j - 1]
+                parent = self._key(hashes[first - 1], g) if first else None
+                self.events.append(("stored", [self._key(hashes[i], g) for i in range(first, last + 1)], parent,
+                                    list(token_ids[first * bs:(last + 1) * bs])))
+                start = j
+
+    def _uncache(self, key: bytes) -> None:
+        del self.cached[key]
+        if self.events is not None:
+            self.events.append(("removed", [key]))
+
+    def take_events(self) -> list[tuple]:
+        """The cache's changes since the last call, oldest first."""
+        events, self.events = self.events or [], [] if self.events is not None else None
+        return events
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares all the parent's blocks (copy-on-write on the partial one)."""
@@ -392,7 +422,7 @@ class BlockManager:
                 if blk.ref_cnt == 0:
                     self._in_use[g] -= 1
                     if blk.block_hash is not None and self.cached.get(blk.block_hash) == bid:
-                        del self.cached[blk.block_hash]
+                        self._uncache(blk.block_hash)
                     blk.block_hash = None
                     blk.token_ids = None
                     self.free_queue.push_front(bid)
@@ -407,7 +437,11 @@ class BlockManager:
             blk = self.blocks[bid]
             blk.block_hash = None
             blk.token_ids = None
-        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].ref_cnt > 0}
+        kept = {h: b for h, b in self.cached.items() if self.blocks[b].ref_cnt > 0}
+        gone = [h for h in self.cached if h not in kept]
+        if self.events is not None and gone:
+            self.events.append(("cleared",) if not kept else ("removed", gone))
+        self.cached = kept
 
     def snapshot(self, order: Sequence[str], num_computed: dict[str, int]) -> dict:
         """Every block's state for the KV map, columnar (cheap to build and to send): state 0 free,

@@ -74,8 +74,13 @@ class LLMEngine:
             state_slots = StateSlots(max_seqs)
             log.info("linear-attention state: %d slots x %.1f MiB (at most %d running sequences)", max_seqs,
                      per_seq / 2**20, max_seqs)
+        self.kv_events = None  # a publisher of the prefix cache's changes for fleet routers (kv_events.py)
+        if config.kv_events_config is not None:
+            from .kv_events import make_publisher
+
+            self.kv_events = make_publisher(config.kv_events_config, bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching and not has_state,
-                                          layout.windows)
+                                          layout.windows, record_events=self.kv_events is not None)
         self.scheduler = Scheduler(self.block_manager, max_seqs, config.max_num_batched_tokens,
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark, state_slots)
@@ -169,6 +174,7 @@ class LLMEngine:
             self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            self._publish_events()
             return []
         self.num_steps += 1
         if self.draft is not None:
@@ -238,6 +244,7 @@ class LLMEngine:
         for g in touched.values():
             out = self._finalize_if_done(g) or make_output(g)
             outs.append(out)
+        self._publish_events()
         return outs
 
     def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> StepResult:
@@ -349,8 +356,14 @@ class LLMEngine:
         return make_output(g)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them)."""
+        """Stop the tensor-parallel workers and the KV events' publisher, if any."""
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
 
     # ---- introspection -------------------------------------------------------------------
     def _view(self) -> EngineView:

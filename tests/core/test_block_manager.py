@@ -174,8 +174,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=12, block_size=3)
+        self.bm = BlockManager(num_blocks=12, block_size=3, record_events=True)
         self.seqs: dict[str, list[int]] = {}  # id -> tokens
+        self.seen: dict[bytes, list[int]] = {}  # the cache as its events tell it: key -> tokens
         self.computed: dict[str, int] = {}
         self.n = 0
 
@@ -235,6 +236,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def cached_map_points_at_hashed_blocks(self):
         for h, b in self.bm.cached.items():
             assert self.bm.blocks[b].block_hash == h
+
+    @invariant()
+    def events_rebuild_the_cache(self):
+        bs = self.bm.block_size
+        for ev in self.bm.take_events():
+            if ev[0] == "stored":
+                keys, tokens = ev[1], ev[3]
+                for i, key in enumerate(keys):
+                    assert key not in self.seen
+                    self.seen[key] = tokens[i * bs:(i + 1) * bs]
+            elif ev[0] == "removed":
+                for key in ev[1]:
+                    del self.seen[key]
+            else:
+                self.seen.clear()
+        assert self.seen.keys() == self.bm.cached.keys()
+        assert all(tuple(self.seen[k]) == self.bm.blocks[b].token_ids for k, b in self.bm.cached.items())
 
     def teardown(self) -> None:
         for rid in list(self.seqs):
@@ -309,7 +327,7 @@ class GroupedBlockManagerMachine(BlockManagerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(num_blocks=30, block_size=3, windows=(None, 4, 7))
+        self.bm = BlockManager(num_blocks=30, block_size=3, windows=(None, 4, 7), record_events=True)
 
     @invariant()
     def refcounts_match_tables(self):
