@@ -17,18 +17,18 @@ step; a thread of this module encodes and sends them, so a slow or absent subscr
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 
+from ..config import config_from
 from ..errors import ConfigError
 
 log = logging.getLogger("pagedllm")
@@ -82,21 +82,7 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: Any) -> KVEventsConfig | None:
         """A dict, a JSON string or a KVEventsConfig; None when events are off."""
-        if value is None or isinstance(value, cls):
-            cfg = value
-        else:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"kv_events_config is not JSON: {e}") from None
-            if not isinstance(value, dict):
-                raise ConfigError(f"kv_events_config must be an object, got {type(value).__name__}")
-            known = {f.name for f in fields(cls)}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ConfigError(f"kv_events_config: unknown fields {unknown} (known: {sorted(known)})")
-            cfg = cls(**value)
+        cfg = None if value is None else config_from(cls, "kv_events_config", value)
         if cfg is None or not cfg.enable_kv_cache_events or cfg.publisher == "null":
             return None
         if cfg.publisher != "zmq":

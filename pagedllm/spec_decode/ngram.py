@@ -10,10 +10,10 @@ proposals' slots are rolled back (BlockManager.truncate).
 
 from __future__ import annotations
 
-import json
 from array import array
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from ..config import config_from
 from ..core.request import Request
 from ..errors import ConfigError
 
@@ -53,20 +53,7 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a dict or JSON text, got {type(value).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ConfigError(f"speculative_config: unknown field {unknown[0]!r} (known: {', '.join(sorted(names))})")
-        return cls(**value)
+        return None if value is None else config_from(cls, "speculative_config", value)
 
 
 @dataclass
