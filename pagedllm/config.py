@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,25 +23,6 @@ _UNITS = {
     "t": 1000**4, "tb": 1000**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
-
-
-def config_from(cls: type, name: str, value: Any) -> Any:
-    """A dataclass of settings from a dict or its JSON text (an instance passes through): the `name` option's
-    unknown fields and malformed JSON are ConfigErrors that say so."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a dict or JSON text, got {type(value).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ConfigError(f"{name}: unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})")
-    return cls(**value)
 
 
 def parse_size(value: int | float | str) -> int:

@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from ..config import config_from
 from ..errors import ConfigError
+from ..settings import config_from
 
 log = logging.getLogger("pagedllm")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from ..config import config_from
 from ..core.request import Request
 from ..errors import ConfigError
+from ..settings import config_from
 
 METHODS = ("ngram", "draft_model")
 

@@ -64,6 +64,7 @@ def test_plan_diffs_rebuild_the_drivers_tables():
         def __init__(self, rid: str, toks: list[int]) -> None:
             self.request_id, self.toks, self.num_computed_tokens = rid, toks, 0
             self.num_prompt_tokens = len(toks)
+            self.state_slot = None
 
         @property
         def num_tokens(self) -> int:
