@@ -52,6 +52,14 @@ class KVLayout:
     def num_slots(self) -> int:
         return max(len(g.layers) for g in self.groups)
 
+    def slot_specs(self, specs: list[KVSpec | None]) -> list[KVSpec]:
+        """The spec of each slot tensor (a slot's layers share one, by construction)."""
+        first = {}
+        for layer, slot in enumerate(self.slot_of_layer):
+            if slot >= 0:
+                first.setdefault(slot, specs[layer])
+        return [first[j] for j in range(self.num_slots)]
+
     @property
     def windows(self) -> list[int | None]:
         return [g.sliding_window for g in self.groups]

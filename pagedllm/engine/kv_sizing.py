@@ -77,9 +77,8 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
     bs = config.block_size
     world = config.tensor_parallel_size
     layout = layout or plan_kv_layout(specs, hybrid=False)
-    slot_specs = {slot: specs[i] for i, slot in reversed(list(enumerate(layout.slot_of_layer))) if slot >= 0}
     bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype)
-                          for s in slot_specs.values())
+                          for s in layout.slot_specs(specs))
     bytes_per_token += sum(cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in draft_specs or []
                            if s is not None)
     bytes_per_block = bytes_per_token * bs

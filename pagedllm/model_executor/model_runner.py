@@ -67,10 +67,9 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
         specs = model.kv_specs()
         self.layout = layout or plan_kv_layout(specs, hybrid=False)
-        slot_spec = {slot: specs[i] for i, slot in reversed(list(enumerate(self.layout.slot_of_layer))) if slot >= 0}
         # one pool tensor per slot; layer i of every group keeps its K/V in slot i's
-        self.slot_caches = [cache_factory(num_blocks, block_size, slot_spec[j].num_kv_heads, slot_spec[j].head_dim,
-                                          kv_dtype, self.dtype) for j in range(self.layout.num_slots)]
+        self.slot_caches = [cache_factory(num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype, self.dtype)
+                            for s in self.layout.slot_specs(specs)]
         states = model.state_caches(num_state_slots) if num_state_slots else {}
         self.state_caches = list(states.values())
         self.caches = [self.slot_caches[j] if j >= 0 else states[i]  # per layer

@@ -202,19 +202,8 @@ def test_the_text_tower_of_a_gemma3_multimodal_checkpoint_generates_what_hf_does
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(
         transformers.Gemma3Config(text_config=tc, vision_config=vc, mm_tokens_per_image=4)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
-    assert type(llm.engine.runner.model).__name__ == "Gemma3TextTower"
+    _text_tower_generates_what_hf_does(hf, tmp_path, "Gemma3TextTower", prompt_step=20)
     assert load_shape(str(tmp_path)).num_layers == 3
-    prompts = [[(5 * i + 7 * j) % 300 + 1 for j in range(4 + 20 * i)] for i in range(3)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
 
 
 def test_the_text_tower_of_a_qwen3_5_multimodal_checkpoint_generates_what_hf_does(tmp_path) -> None:
@@ -232,14 +221,22 @@ def test_the_text_tower_of_a_qwen3_5_multimodal_checkpoint_generates_what_hf_doe
     vc = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
     torch.manual_seed(0)
     hf = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=tc, vision_config=vc)).eval()
+    _text_tower_generates_what_hf_does(hf, tmp_path, "Qwen3_5TextTower", prompt_step=30)
+
+
+def _text_tower_generates_what_hf_does(hf, path, tower: str, prompt_step: int) -> None:
+    """A multimodal HF model (norms moved off their init) saved to path: pagedllm loads its language model as
+    `tower` and generates HF's greedy tokens for three prompts of 4, 4 + step and 4 + 2 step tokens."""
+    import torch
+
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path)
-    llm = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64)
-    assert type(llm.engine.runner.model).__name__ == "Qwen3_5TextTower"
-    prompts = [[(5 * i + 7 * j) % 300 + 1 for j in range(4 + 30 * i)] for i in range(3)]
+    hf.save_pretrained(path)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert type(llm.engine.runner.model).__name__ == tower
+    prompts = [[(5 * i + 7 * j) % 300 + 1 for j in range(4 + prompt_step * i)] for i in range(3)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(prompts, outs):

@@ -10,6 +10,15 @@ def architecture_of(cfg: dict) -> str:
     return (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
 
 
+def text_config_of(raw: dict) -> dict:
+    """A multimodal checkpoint's language model config (`text_config`), with the top-level fields it inherits."""
+    text = {**raw["text_config"], "architectures": raw.get("architectures")}
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if key in raw and key not in raw["text_config"]:
+            text[key] = raw[key]
+    return text
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int

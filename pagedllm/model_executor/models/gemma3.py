@@ -17,8 +17,8 @@ import torch
 from ...errors import ModelLoadError
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
-from .config import ModelConfig
-from .llama import LlamaForCausalLM, RMSNorm, rope_inv_freq
+from .config import ModelConfig, text_config_of
+from .llama import LlamaForCausalLM, RMSNorm, rope_inv_freq, shift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .weight_names import Linear, Param, Part
 
@@ -102,9 +102,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def after_load(self, source: str) -> None:
         if source == "hf":  # (1 + w), as the GGUF stores it
-            for m in self.modules():
-                if isinstance(m, RMSNorm):
-                    m.weight.data += 1
+            shift_norms(self)
 
 
 class Gemma3TextTower(Gemma3ForCausalLM):
@@ -121,11 +119,7 @@ class Gemma3TextTower(Gemma3ForCausalLM):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> ModelConfig:
-        text = {**raw["text_config"], "architectures": raw.get("architectures")}
-        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-            if key in raw and key not in raw["text_config"]:
-                text[key] = raw[key]
-        return super().config_from_hf(text)
+        return super().config_from_hf(text_config_of(raw))
 
 
 def _scaling(p: dict | None) -> dict | None:

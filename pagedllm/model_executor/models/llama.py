@@ -128,6 +128,14 @@ class RMSNorm(nn.Module):
         return backend.rms_norm(self.weight, self.eps, x, residual)
 
 
+def shift_norms(model: nn.Module) -> None:
+    """Every RMSNorm's weight w -> 1 + w: the families whose HF checkpoints store the norms centered at zero
+    (Gemma, Qwen3.5) run them as the GGUF stores them."""
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.weight.data += 1
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
         """index: the layer's place in the stack (a mixture-of-experts model may keep dense MLPs in some)."""

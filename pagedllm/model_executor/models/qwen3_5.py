@@ -27,8 +27,8 @@ from torch import nn
 from ...core.kv_spec import KVSpec
 from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked, l2norm, recurrent_step
 from ..layers.linear import PackedLinear
-from .config import ModelConfig
-from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm, partial_rotary_order, rotary_dim
+from .config import ModelConfig, text_config_of
+from .llama import DecoderLayer, LlamaForCausalLM, partial_rotary_order, rotary_dim, shift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .qwen3_moe import MOE_EXPERTS, ROUTER
 from .weight_names import Linear, Param, Part
@@ -221,9 +221,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def after_load(self, source: str) -> None:
         if source == "hf":  # (1 + w), as Gemma's norms
-            for m in self.modules():
-                if isinstance(m, RMSNorm):
-                    m.weight.data += 1
+            shift_norms(self)
         cfg, d = self.cfg, self.cfg.head_dim
         rot = rotary_dim(cfg)
         if rot == d:
@@ -269,8 +267,4 @@ class Qwen3_5TextTower(Qwen3_5ForCausalLM):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> ModelConfig:
-        text = {**raw["text_config"], "architectures": raw.get("architectures")}
-        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
-            if key in raw and key not in raw["text_config"]:
-                text[key] = raw[key]
-        return super().config_from_hf(text)
+        return super().config_from_hf(text_config_of(raw))
