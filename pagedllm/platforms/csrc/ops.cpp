@@ -1,4 +1,5 @@
-// CPU kernels for the fp32 hot paths: a linear over panel-packed weights, fused RMSNorm (+ residual
+// CPU kernels for the fp32 hot paths: a linear over panel-packed weights (its micro-kernel and ISA paths:
+// f32_tile.h), fused RMSNorm (+ residual
 // add), rotary embedding, silu_and_mul, and a row argmax; the Python bindings of every op (attention:
 // attention.cpp, other weight formats: linear_bf16.cpp / linear_ggml.cpp / linear_x16.cpp, experts: moe.cpp, grammar
 // masks: mask_rows.cpp).
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "f32_tile.h"
 #include "linear_bf16.h"
 #include "linear_ggml.h"
 #include "mask_rows.h"
@@ -17,49 +19,7 @@
 #include "row_tiles.h"
 #include "vec16.h"
 
-typedef float v16f __attribute__((vector_size(64)));
-
-static inline v16f load16(const float* p) {
-  v16f v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-static inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-constexpr int64_t NR = 48;  // output columns per weight panel: three 16-float vectors
-
-// An R x 48 tile of y = x w^T + b: w is packed once at load time as panels [P, K, 48] (column block
-// p of w^T, zero-padded), so the inner loop streams one contiguous panel and does 3R FMAs per 3
-// vector loads and R broadcasts of x, with the 3R accumulators in registers and no horizontal
-// sums. Measured on SmolLM2's shapes: ~205-215 GFLOP/s at 64..2048 rows where MKL's sgemm on the
-// plain [O, K] weights gives 130-190, and weight-streaming speed at one row.
-template <int R>
-static inline void linear_tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
-                               int64_t cols) {
-  v16f acc[R][3];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < 3; ++j) acc[i][j] = bias ? load16(bias + j * 16) : v16f{0};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* pk = panel + k * NR;
-    const v16f w0 = load16(pk), w1 = load16(pk + 16), w2 = load16(pk + 32);
-    for (int i = 0; i < R; ++i) {
-      const float xv = x[i * K + k];
-      acc[i][0] += xv * w0;
-      acc[i][1] += xv * w1;
-      acc[i][2] += xv * w2;
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    if (cols == NR) {
-      for (int j = 0; j < 3; ++j) store16(y + i * O + j * 16, acc[i][j]);
-    } else {  // the last, partial panel
-      float tmp[NR];
-      for (int j = 0; j < 3; ++j) store16(tmp + j * 16, acc[i][j]);
-      for (int64_t c = 0; c < cols; ++c) y[i * O + c] = tmp[c];
-    }
-  }
-}
+constexpr int64_t NR = f32::NR;
 
 // y [M, O] = x [M, K] w^T + b, with w packed [P, K, 48] and b padded to P * 48. One task = one panel.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
@@ -78,9 +38,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
       const float* panel = wp + p * K * NR;
       const float* pb = bp ? bp + p * NR : nullptr;
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      for_row_tiles(0, M, [&](int64_t m, auto R) {
-        linear_tile<decltype(R)::value>(xp + m * K, K, panel, pb, op + m * O + c0, O, cols);
-      });
+      f32::rows(xp, M, K, panel, pb, op + c0, O, cols);
     }
   });
   return out;
