@@ -1,15 +1,16 @@
 """Where the mixed (or shared-prefix) workload's time goes: the engine's calls wrapped with timers (linears by
 row count, SDPA over prompts where the pool is fp32, the whole attention call split by whether the step had
-prompt chunks), the default model, bf16 dense parts.
-Run: .venv/bin/python benchmarks/mixed_breakdown.py [mixed|shared-prefix] [none]   (none: the GGUF dequantized
-to bf16 panels, the HF-folder benchmark's setting; the wrappers add ~1 us a call)"""
+prompt chunks), the default model, bf16 dense parts (float32: fp32 ones, what dtype=auto picks without native
+bf16 dot products).
+Run: .venv/bin/python benchmarks/mixed_breakdown.py [mixed|shared-prefix] [none] [float32]   (none: the GGUF
+dequantized to dense panels, the HF-folder benchmark's setting; the wrappers add ~1 us a call)"""
 
 import collections
 import sys
 import time
 
 import pagedllm.model_executor.attention as attention
-import pagedllm.model_executor.models.llama as llama
+import pagedllm.model_executor.layers.backends as backends
 import pagedllm.model_executor.model_runner as model_runner
 import pagedllm.model_executor.layers.weight_formats as weight_formats
 from pagedllm.config import EngineConfig
@@ -42,13 +43,13 @@ weight_formats.DensePanels.matmul_silu_and_mul = timed(weight_formats.DensePanel
 attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
 
 
-def attention_kind(_ops, _qkv, _cos, _sin, _heads, _cache, meta, _scale) -> str:
+def attention_kind(_ops, _qkv, _cos, _sin, _heads, _cache, meta, _scale, _sinks=None) -> str:
     return "attention, steps with chunks" if meta.chunks is not None else "attention, rows only"
 
 
-llama.attention_from_qkv = timed(llama.attention_from_qkv, key=attention_kind)
+backends.attention_from_qkv = timed(backends.attention_from_qkv, key=attention_kind)
 model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
-engine = LLMEngine(EngineConfig(dtype="bfloat16", quantization="none" if "none" in sys.argv[1:] else None))
+engine = LLMEngine(EngineConfig(dtype="float32" if "float32" in sys.argv[1:] else "bfloat16", quantization="none" if "none" in sys.argv[1:] else None))
 workload = shared_prefix if "shared-prefix" in sys.argv[1:] else mixed
 for i, w in enumerate(workload(64, engine.model_config.vocab_size, 0)):
     engine.add_request(f"r{i}", {"prompt_token_ids": w.prompt_token_ids},

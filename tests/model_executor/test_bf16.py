@@ -111,27 +111,31 @@ def test_bf16_engine_tracks_fp32_and_is_batch_invariant(llama_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["avx512f", "generic"])
+@pytest.mark.parametrize("isa", ["avx512f", "avx2", "generic"])
 def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):
-    """The paths a CPU without AVX512-BF16 (or without AVX-512: Zen 3) compiles, built here by
-    masking this CPU's flags, against the same reference."""
-    if isa == "generic":  # the whole library as Zen 3 builds it
+    """The paths a CPU without AVX512-BF16 (avx512f), without AVX-512 (Zen 3: avx2) or without AVX2 (generic)
+    compiles, built here by masking this CPU's flags, against the same reference."""
+    if isa == "avx2":  # the whole library as Zen 3 builds it
         ops = request.getfixturevalue("ops_avx2")
         pack_bf16, linear_bf16, built_isa = ops.pack_bf16, ops.linear_bf16, ops.linear_bf16_isa
-    else:  # a quick build of just this file, AVX512-BF16 masked
+    else:  # a quick build of just this file with the ISA's flags masked
         from pathlib import Path
 
         from torch.utils.cpp_extension import load
 
         import pagedllm
+        from pagedllm.platforms.cpu import cpu_isa_flags
 
+        if isa == "avx512f" and "avx512f" not in cpu_isa_flags().split():
+            pytest.skip("this CPU has no AVX-512")
+        masked = ["-mno-avx512bf16", "-mno-amx-tile"] if isa == "avx512f" else ["-mno-avx2"]
         csrc = Path(pagedllm.__file__).parent / "platforms" / "csrc"
         stub = tmp_path / "stub.cpp"
         stub.write_text('#include <torch/extension.h>\n#include "linear_bf16.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
                         '  m.def("pack_bf16", &pack_bf16); m.def("linear_bf16", &linear_bf16);\n'
                         '  m.def("isa", &linear_bf16_isa);\n}\n')
         mod = load(name=f"pagedllm_bf16_{isa}", sources=[str(csrc / "linear_bf16.cpp"), str(stub)],
-                   extra_cflags=["-O2", "-march=native", "-mno-avx512bf16", "-mno-amx-tile"], extra_include_paths=[str(csrc)],
+                   extra_cflags=["-O2", "-march=native", *masked], extra_include_paths=[str(csrc)],
                    build_directory=str(tmp_path), verbose=False)
         pack_bf16, linear_bf16, built_isa = mod.pack_bf16, mod.linear_bf16, mod.isa()
     assert built_isa == isa

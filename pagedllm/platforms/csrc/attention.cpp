@@ -212,7 +212,8 @@ template <int ND, int GB, bool TAIL>
 void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Pool& V, int64_t BS, float scale,
                  Scratch& s) {
   constexpr int W = 16 * ND;            // padded head dim
-  constexpr int KT = ND <= 4 ? 16 : 8;  // keys per tile: KT products + GB * ND q vectors in registers
+  // keys per tile: KT products + GB * ND q vectors in registers
+  constexpr int KT = ND <= 4 && vec::kRegs >= 32 ? 16 : 8;
   const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = score_ld(n);
   if (!it.scores) s.scores.resize(H * ld);
   if (TAIL)  // the widened rows' padding must read as zeros; whole chunks are always written
@@ -372,10 +373,11 @@ ItemFn pick_bf16(int64_t, int64_t) { return nullptr; }  // bf16 pools widen to f
 
 template <int ND, bool TAIL>
 ItemFn pick_group(int64_t G) {
-  // the most heads per pass that divide the group and keep GB * ND accumulators in registers
-  if (G % 4 == 0 && 4 * ND <= 16) return attend_item<ND, 4, TAIL>;
-  if (G % 3 == 0 && 3 * ND <= 16) return attend_item<ND, 3, TAIL>;
-  if (G % 2 == 0 && 2 * ND <= 16) return attend_item<ND, 2, TAIL>;
+  // the most heads per pass that divide the group and keep GB * ND accumulators in half the registers
+  constexpr int budget = vec::kRegs / 2;
+  if (G % 4 == 0 && 4 * ND <= budget) return attend_item<ND, 4, TAIL>;
+  if (G % 3 == 0 && 3 * ND <= budget) return attend_item<ND, 3, TAIL>;
+  if (G % 2 == 0 && 2 * ND <= budget) return attend_item<ND, 2, TAIL>;
   return attend_item<ND, 1, TAIL>;
 }
 

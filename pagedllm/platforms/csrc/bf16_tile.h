@@ -6,7 +6,8 @@
 // a multiple of 32; else the micro-kernel, whose
 // ISA paths (compile-time; -march=native, build keyed by the CPU's flags) are:
 //   AVX512-BF16: vdpbf16ps;  AVX512F: bf16 pairs widened to fp32 in registers, two FMAs;
-//   otherwise: scalar widening (the compiler vectorizes what it can, e.g. AVX2).
+//   AVX2 + FMA: the same widening in sub-tiles that fit 16 ymm registers (1 row x 48 columns, 2 x 24, 3-4 x 16);
+//   otherwise: scalar widening.
 #pragma once
 #include <immintrin.h>
 #include <algorithm>
@@ -91,6 +92,77 @@ inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* pa
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < 3; ++j) _mm512_storeu_ps(out + i * NR + j * 16, acc[i][j]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+inline constexpr const char* kIsa = "avx2";
+
+// R rows x C 8-column vectors from column c0, widened like the AVX512F path. 3-4 rows: the C vectors' even-k and
+// odd-k weights held while each row's two x values come and go; 1-2 rows: each row's x values held while the
+// weights come and go (one row keeps all 48 columns: decode streams the panel once). Either way the
+// accumulators, operands and the mask fit the 16 ymm registers.
+template <int R, int C>
+inline void sub_tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* panel, int64_t c0, float* out) {
+  static_assert(R * C + (R <= 2 ? 2 * R + 2 : 2 * C + 2) + 1 <= 16, "the tile must fit the 16 ymm registers");
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  auto even = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); };
+  auto odd = [&](__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, hi)); };
+  auto weights = [](const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  const uint16_t* pk = panel + 2 * c0;
+  for (int64_t k = 0; k < K2; ++k, pk += NR * 2) {
+    if constexpr (R <= 2) {
+      __m256 xe[R], xo[R];
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256i pair = _mm256_set1_epi32(static_cast<int>(xp[i * ldx + k]));
+        xe[i] = even(pair);
+        xo[i] = odd(pair);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) {
+        const __m256i v = weights(pk + 16 * j);
+        const __m256 we = even(v), wo = odd(v);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(wo, xo[i], _mm256_fmadd_ps(we, xe[i], acc[i][j]));
+      }
+    } else {
+      __m256 we[C], wo[C];
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) {
+        const __m256i v = weights(pk + 16 * j);
+        we[j] = even(v);
+        wo[j] = odd(v);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256i pair = _mm256_set1_epi32(static_cast<int>(xp[i * ldx + k]));
+        const __m256 xe = even(pair), xo = odd(pair);
+#pragma GCC unroll 8
+        for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(wo[j], xo, _mm256_fmadd_ps(we[j], xe, acc[i][j]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) _mm256_storeu_ps(out + i * NR + c0 + 8 * j, acc[i][j]);
+}
+
+// R rows in sub-tiles of up to 4 rows across the panel's 48 columns: 1 row x 48, 2 x 24, 3-4 x 16
+template <int R>
+inline void tile(const uint32_t* xp, int64_t ldx, int64_t K2, const uint16_t* panel, float* out) {
+  if constexpr (R > 4) {
+    tile<4>(xp, ldx, K2, panel, out);
+    tile<R - 4>(xp + 4 * ldx, ldx, K2, panel, out + 4 * NR);
+  } else {
+    constexpr int C = R == 1 ? 6 : R == 2 ? 3 : 2;
+    for (int64_t c0 = 0; c0 < NR; c0 += 8 * C) sub_tile<R, C>(xp, ldx, K2, panel, c0, out);
+  }
 }
 
 #else

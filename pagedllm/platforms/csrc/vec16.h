@@ -12,6 +12,14 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+// 16-float vectors the register file holds: 32 zmm with AVX-512, 16 ymm (8 pairs) with AVX2 or less; kernels
+// that keep tiles of them in registers size the tiles by it (AVX-512's tiles spill every key on AVX2)
+#if defined(__AVX512F__)
+inline constexpr int kRegs = 32;
+#else
+inline constexpr int kRegs = 8;
+#endif
+
 // Masked scores: finite because the build uses -ffast-math (no infinities); exp() of anything this far
 // below a row's max is 0
 inline constexpr float kMasked = -1e30f;
