@@ -11,8 +11,8 @@ import time
 
 import pagedllm.model_executor.attention as attention
 import pagedllm.model_executor.layers.backends as backends
-import pagedllm.model_executor.model_runner as model_runner
 import pagedllm.model_executor.layers.weight_formats as weight_formats
+import pagedllm.model_executor.model_runner as model_runner
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
@@ -49,7 +49,8 @@ def attention_kind(_ops, _qkv, _cos, _sin, _heads, _cache, meta, _scale, _sinks=
 
 backends.attention_from_qkv = timed(backends.attention_from_qkv, key=attention_kind)
 model_runner.ModelRunner.execute = timed(model_runner.ModelRunner.execute, "model runner")
-engine = LLMEngine(EngineConfig(dtype="float32" if "float32" in sys.argv[1:] else "bfloat16", quantization="none" if "none" in sys.argv[1:] else None))
+dtype = "float32" if "float32" in sys.argv[1:] else "bfloat16"
+engine = LLMEngine(EngineConfig(dtype=dtype, quantization="none" if "none" in sys.argv[1:] else None))
 workload = shared_prefix if "shared-prefix" in sys.argv[1:] else mixed
 for i, w in enumerate(workload(64, engine.model_config.vocab_size, 0)):
     engine.add_request(f"r{i}", {"prompt_token_ids": w.prompt_token_ids},
