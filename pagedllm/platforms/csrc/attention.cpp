@@ -27,6 +27,8 @@
 // ISA: GCC vector extensions of 16 floats, so one code path compiles to AVX-512 where -march=native
 // has it and to pairs of AVX2 (or SSE) registers elsewhere; bf16 is widened by a 16-bit shift, fp8
 // through a 256-entry table. Head dims that are not a multiple of 16 go through zero-padded buffers.
+// Without AVX-512 (16 ymm registers, which those tiles overflow), an fp32 pool with D in {32, 64, 128, 256}
+// runs attend_item_f32_avx2: the same math in tiles sized for AVX2.
 // With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128} runs attend_item_bf16 instead: vdpbf16ps on the
 // pool's rows as stored (no widening), 2-2.4x the widening path at 64 rows (docs/bench/attention_microbench.py:
 // 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us).
@@ -158,6 +160,7 @@ inline int64_t score_ld(int64_t n) { return (n + 15) / 16 * 16 + 16; }  // + one
 
 struct Scratch {
   std::vector<float> scores, tile, qpad, acc;
+  std::vector<int64_t> slots;
 };
 
 // Pass 2 of an item: each head's n scores (rows of sc, ld apart, ld >= 16 ceil(n / 16) + 16) -> the softmax
@@ -273,6 +276,75 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
 }
 
 using ItemFn = void (*)(const Item&, int64_t, int64_t, const Pool&, const Pool&, int64_t, float, Scratch&);
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// An fp32 pool's item on AVX2, D = 8 * ND: attend_item's math (scores of the q scaled first, softmax_rows, the V
+// sum) with tiles sized for 16 ymm registers, the pool's rows read in place. Per query head: q in ND registers,
+// 4 keys' products at a time summed by two hadd levels and one add of the 128-bit halves (no horizontal sum
+// per key); the V sum over the item's keys in up to 8 accumulators per pass over the head dims. attend_item's
+// AVX-512 tiles (KT products of 16 floats, GB * ND q vectors) spill to the stack on AVX2.
+template <int ND>
+void attend_item_f32_avx2(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Pool& V, int64_t BS, float scale,
+                          Scratch& s) {
+  const int64_t D = K.d, G = H / KVH, n = it.hi - it.lo, ld = score_ld(n), stride = K.row_stride;
+  if (!it.scores) s.scores.resize(H * ld);
+  float* sc = it.scores ? it.scores : s.scores.data();
+  s.slots.resize(n);
+  for (int64_t t = 0; t < n; ++t) s.slots[t] = (it.table[(it.lo + t) / BS] * BS + (it.lo + t) % BS) * stride;
+  const int64_t* slot = s.slots.data();
+  const float* kp = static_cast<const float*>(K.data);
+  const float* vp = static_cast<const float*>(V.data);
+  if (it.phase != 2) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* kh = kp + (h / G) * D;
+      __m256 qv[ND];
+      for (int c = 0; c < ND; ++c) qv[c] = _mm256_mul_ps(_mm256_loadu_ps(it.q + h * D + 8 * c), _mm256_set1_ps(scale));
+      for (int64_t t = 0; t < n; t += 4) {
+        __m256 p[4];
+        for (int j = 0; j < 4; ++j) {
+          p[j] = _mm256_setzero_ps();
+          if (t + j < n) {
+            const float* kr = kh + slot[t + j];
+            for (int c = 0; c < ND; ++c) p[j] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(kr + 8 * c), p[j]);
+          }
+        }
+        // [key j's sum over the low 128 bits of its products | over the high], then the halves added
+        const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+        _mm_storeu_ps(sc + h * ld + t, _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1)));
+      }
+    }
+  }
+  softmax_rows(it, sc, H, n, ld, false);
+  if (it.phase == 1) return;
+  constexpr int CH = ND < 8 ? ND : 8;  // accumulators a pass
+  for (int64_t h = 0; h < H; ++h) {
+    const float* vh = vp + (h / G) * D;
+    const float* ph = sc + h * ld;
+    for (int c0 = 0; c0 < ND; c0 += CH) {
+      __m256 acc[CH];
+      for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 pr = _mm256_broadcast_ss(ph + t);
+        const float* vr = vh + slot[t] + 8 * c0;
+        for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      }
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(it.acc + h * D + 8 * (c0 + c), acc[c]);
+    }
+  }
+}
+
+ItemFn pick_f32(int64_t D) {
+  switch (D) {
+    case 32: return attend_item_f32_avx2<4>;
+    case 64: return attend_item_f32_avx2<8>;
+    case 128: return attend_item_f32_avx2<16>;
+    case 256: return attend_item_f32_avx2<32>;
+    default: return nullptr;
+  }
+}
+#else
+ItemFn pick_f32(int64_t) { return nullptr; }  // attend_item's tiles fit AVX-512's 32 registers
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // A bf16 pool's item on bf16 dot products, D = 32 * NC: q (rounded to bf16) against the pool's K rows as they
@@ -602,8 +674,8 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MAXB = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "paged_attention: q rows must hold their heads contiguously");
   TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_attention: heads and pool do not match");
-  const ItemFn bf = dt == torch::kBFloat16 ? pick_bf16(D, H / KVH) : nullptr;
-  const ItemFn fn = bf ? bf : pick_kernel(D, H / KVH);
+  const ItemFn own = dt == torch::kBFloat16 ? pick_bf16(D, H / KVH) : dt == torch::kFloat32 ? pick_f32(D) : nullptr;
+  const ItemFn fn = own ? own : pick_kernel(D, H / KVH);
   TORCH_CHECK(fn != nullptr, "paged_attention: head_dim ", D, " is not supported (at most 128, or 256)");
   const int dtype = fp8 ? 2 : dt == torch::kBFloat16 ? 1 : 0;
   Pool K{k_cache.data_ptr(), dtype, KVH * D, KVH, D}, V{v_cache.data_ptr(), dtype, KVH * D, KVH, D};
