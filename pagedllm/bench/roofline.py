@@ -34,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=None, help="mixed | shared-prefix | a .jsonl file: the whole workload of "
                    "bench throughput against its floor, instead of decode steps (--num-requests of it)")
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--kernels", action="store_true", help="each hot kernel alone (linears of each weight format at "
+                   "1 and 256 rows, decode attention over a long context) against this host's ceilings, instead of "
+                   "decode steps: a path far below them shows on any CPU")
 
 
 def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 5) -> float:
@@ -77,6 +80,8 @@ def measure_matmul(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.floa
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    if args.kernels:
+        return kernels_main(args, engine_kwargs)
     if args.workload:
         return workload_main(args, engine_kwargs)
     engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_prefix_caching": False}))
@@ -183,3 +188,87 @@ def workload_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     report = make_report("roofline", args, engine_kwargs, summary=summary)
     write_json(args.json, report)
     return report
+
+
+# SmolLM2-135M's linears (out, in) for one layer, repeated to 30 distinct layers: ~10x the L3 cache of these
+# hosts in bf16, so one row streams the weights from memory as decode does
+_LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+FAR_BELOW = 0.25  # a kernel under this fraction of its ceiling is marked
+
+
+def kernels_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
+    """Each hot kernel alone, its achieved rate against the ceiling that bounds it on this host: GB/s of weights
+    (or K/V) against the streaming-read bandwidth where one row streams them, GFLOP/s against the best matmul
+    rate (torch's library or our kernel, in that precision) where many rows make it compute-bound."""
+    import numpy as np
+
+    from ..model_executor.layers.formats import FORMATS
+    from ..model_executor.layers.weight_formats import GGMLWeight
+    from ..platforms.cpu import load_ops, pack_weight
+    from .common import median_time
+    from .random_gguf import random_tensor
+
+    ops = load_ops()
+    if ops is None:
+        raise SystemExit("bench roofline --kernels needs the C++ kernels")
+    torch.manual_seed(args.seed)
+    bw = measure_bandwidth()
+    peak = {torch.float32: measure_matmul(dtype=torch.float32), torch.bfloat16: measure_matmul(dtype=torch.bfloat16)}
+    shapes = _LAYER * 30
+    flops_per_row = sum(2 * o * k for o, k in shapes)
+    rng = np.random.default_rng(args.seed)
+    formats = {
+        "fp32 panels": ([pack_weight(torch.randn(o, k) * 0.02) for o, k in shapes], 4.0, torch.float32,
+                        lambda w, x, o: ops.packed_linear(x, w, None, o)),
+        "bf16 panels": ([ops.pack_bf16(torch.randn(o, k) * 0.02) for o, k in shapes], 2.0, torch.bfloat16,
+                        lambda w, x, o: ops.linear_bf16(x, w, None, o)),
+    }
+    for name in ("q4_0", "q8_0"):
+        fmt = FORMATS[name]
+        ws = [GGMLWeight(ops, [(torch.from_numpy(random_tensor(rng, o, k, name.upper(), fast=True)), fmt)], k)
+              for o, k in shapes]
+        formats[name] = (ws, fmt.bytes_per_weight, torch.bfloat16, lambda w, x, o: w.matmul(x))
+    rows = []
+    for name, (ws, bytes_per_weight, dtype, run) in formats.items():
+        for m in (1, 256):
+            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+            t = median_time(lambda ws=ws, xs=xs, run=run: [run(w, xs[k], o) for w, (o, k) in zip(ws, shapes)], reps=5)
+            if m == 1:
+                rate, ceiling, unit = sum(o * k for o, k in shapes) * bytes_per_weight / t, bw, "GB/s"
+            else:
+                rate, ceiling, unit = flops_per_row * m / t, peak[dtype], "GFLOP/s"
+            rows.append({"kernel": f"linear, {name}", "rows": m, "achieved": rate / 1e9, "ceiling": ceiling / 1e9,
+                         "unit": unit, "fraction": rate / ceiling})
+        del ws
+    rows.append(_decode_attention_row(ops, bw))
+    print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {peak[torch.float32] / 1e9:.1f} GFLOP/s fp32 and "
+          f"{peak[torch.bfloat16] / 1e9:.1f} GFLOP/s bf16 matmul (best of torch and our kernel); "
+          f"C++ paths: fp32/bf16 {ops.linear_bf16_isa}, integer dots {ops.linear_ggml_isa}")
+    for r in rows:
+        mark = "   <- far below its ceiling" if r["fraction"] < FAR_BELOW else ""
+        print(f"  {r['kernel']:28s} {r['rows']:4d} rows  {r['achieved']:8.1f} / {r['ceiling']:7.1f} {r['unit']:8s}"
+              f" {r['fraction']:6.0%}{mark}")
+    summary = {"bandwidth_GBps": bw / 1e9, "matmul_GFLOPs_fp32": peak[torch.float32] / 1e9,
+               "matmul_GFLOPs_bf16": peak[torch.bfloat16] / 1e9, "linear_isa": ops.linear_bf16_isa,
+               "ggml_isa": ops.linear_ggml_isa, "kernels": rows}
+    report = make_report("roofline", args, engine_kwargs, summary=summary)
+    write_json(args.json, report)
+    return report
+
+
+def _decode_attention_row(ops, bw: float) -> dict:
+    """One decode row each for 16 sequences of 2048 keys, SmolLM2's heads (9 / 3 KV, D 64), an fp32 pool of
+    ~50 MB: the K/V bytes read against the streaming bandwidth."""
+    from .common import median_time
+
+    seqs, ctx, bs, heads, kv_heads, d = 16, 2048, 16, 9, 3, 64
+    nb = seqs * ctx // bs
+    k_pool, v_pool = torch.randn(nb, bs, kv_heads, d), torch.randn(nb, bs, kv_heads, d)
+    tables = torch.randperm(nb).view(seqs, ctx // bs)
+    q, out = torch.randn(seqs, heads, d), torch.empty(seqs, heads, d)
+    meta = (tables, torch.arange(seqs), torch.arange(seqs), torch.ones(seqs, dtype=torch.long),
+            torch.full((seqs,), ctx))
+    t = median_time(lambda: ops.paged_attention(out, q, k_pool, v_pool, *meta, d ** -0.5, 0, None, None, None, None))
+    rate = 2 * k_pool.numel() * 4 / t
+    return {"kernel": "decode attention, fp32 pool", "rows": seqs, "achieved": rate / 1e9, "ceiling": bw / 1e9,
+            "unit": "GB/s", "fraction": rate / bw}
