@@ -18,7 +18,7 @@
 // rows at a time into a thread-local buffer, then multiplied with all of x rounded to bf16, so the
 // quantized weights cost their dequantization once per call, not once per row of x: 48-row panels
 // for the panel micro-kernel of bf16_tile.h, made with AVX512-BF16 by dequantizing 16 rows and
-// transposing them in registers (else a scalar loop), multiplied on AMX tiles (bf16_amx.h) where the
+// transposing them in registers, with AVX2 8 rows likewise (else a scalar loop), multiplied on AMX tiles (bf16_amx.h) where the
 // CPU has them, else by bf16_tile.h's vdpbf16ps / widening paths.
 // ISA paths of the integer dot (compile-time; -march=native, build keyed by the CPU's flags):
 //   AVX512-VNNI + BW: vpdpbusd on 512-bit vectors, two chunks at a time (rows of an even chunk count);
@@ -301,6 +301,79 @@ void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+// 8 x 8 transpose of 32-bit elements: in r[i] = row i, out r[j] = column j
+inline void transpose8(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + c] 128-bit lane l: column 4l + c of rows i .. i + 3
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+  }
+}
+
+// 8 fp32 -> their bf16 bits (round to nearest even, finite inputs) in the low half of each lane
+inline __m256i bf16_low(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+// One 48-row panel [K2, 48, 2] bf16 straight from the blocks on AVX2: per chunk of 32 k, 8 rows are
+// dequantized (fp32 fma, rounded to bf16 and packed into 16 k pairs a row) and transposed in registers, so
+// each k pair's 8 columns are stored as one vector. Rows past `cols` are zero.
+template <class F>
+void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t c0, int64_t cols, uint16_t* panel) {
+  constexpr int CPB = F::QK / 32;
+  for (int grp = 0; grp < 6; ++grp) {
+    for (int64_t g = 0; g < K / 32; ++g) {
+      __m256i r[2][8];  // [pairs 0-7 | 8-15][row]
+      for (int i = 0; i < 8; ++i) {
+        const int64_t c = 8 * grp + i;
+        if (c >= cols) {
+          r[0][i] = r[1][i] = _mm256_setzero_si256();
+          continue;
+        }
+        const uint8_t* blk = w + (c0 + c) * row_bytes + (g / CPB) * F::BYTES;
+        const int sub = static_cast<int>(g % CPB);
+        float d[2], m[2];
+        F::scales(blk, sub, d, m);
+        const __m256i q = F::quants256(blk, sub);
+        __m256i b[4];  // bf16 bits of k 8j .. 8j + 7
+        for (int j = 0; j < 4; ++j) {
+          const __m128i h = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+          const __m128i q8 = j % 2 ? _mm_srli_si128(h, 8) : h;
+          const __m256i qi = F::kSigned ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8);
+          b[j] = bf16_low(_mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(d[j / 2]), _mm256_set1_ps(m[j / 2])));
+        }
+        // packus interleaves 128-bit lanes: [k0-3, k8-11 | k4-7, k12-15]; the permute restores k order
+        r[0][i] = _mm256_permute4x64_epi64(_mm256_packus_epi32(b[0], b[1]), 0xd8);
+        r[1][i] = _mm256_permute4x64_epi64(_mm256_packus_epi32(b[2], b[3]), 0xd8);
+      }
+      for (int h = 0; h < 2; ++h) {
+        transpose8(r[h]);
+        for (int j = 0; j < 8; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + ((16 * g + 8 * h + j) * bf16::NR + 8 * grp) * 2),
+                              r[h][j]);
+      }
+    }
+  }
+}
+#define PAGEDLLM_DEQUANT_PANEL 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PAGEDLLM_DEQUANT_PANEL 1
+#endif
+
 // y[:, col0 : col0 + rows of w] for one part; a is x quantized (decode-sized M) or xb its bf16 pairs
 // y[:, 0 : rows] (yc, bc already offset to the part's columns) = x @ W^T for prefill-sized M, W made a
 // 48-row bf16 panel at a time by make_panel(p, panel, row_scratch)
@@ -375,7 +448,7 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, con
   auto make_panel = [&](int64_t p, uint16_t* panel, std::vector<float>& row) {
     constexpr int64_t NR = bf16::NR;
     const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if PAGEDLLM_DEQUANT_PANEL
     if (K % 32 == 0) return dequant_panel_bf16<F>(wp, row_bytes, K, c0, cols, panel);
 #endif
     for (int64_t c = 0; c < NR; ++c) {
