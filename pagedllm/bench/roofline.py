@@ -23,7 +23,7 @@ import torch
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .common import load_workload, make_report, now, write_json
+from .common import load_workload, make_report, median_time, now, write_json
 from .throughput import run_pagedllm
 
 
@@ -205,7 +205,6 @@ def kernels_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     from ..model_executor.layers.formats import FORMATS
     from ..model_executor.layers.weight_formats import GGMLWeight
     from ..platforms.cpu import load_ops, pack_weight
-    from .common import median_time
     from .random_gguf import random_tensor
 
     ops = load_ops()
@@ -259,7 +258,6 @@ def kernels_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
 def _decode_attention_row(ops, bw: float) -> dict:
     """One decode row each for 16 sequences of 2048 keys, SmolLM2's heads (9 / 3 KV, D 64), an fp32 pool of
     ~50 MB: the K/V bytes read against the streaming bandwidth."""
-    from .common import median_time
 
     seqs, ctx, bs, heads, kv_heads, d = 16, 2048, 16, 9, 3, 64
     nb = seqs * ctx // bs
