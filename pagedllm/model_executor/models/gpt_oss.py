@@ -56,7 +56,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         cfg = ModelConfig.from_hf(raw)
         n = cfg.num_layers
         cfg.layer_types = tuple(raw.get("layer_types") or [SLIDING if i % 2 == 0 else "full_attention" for i in range(n)])
-        cfg.moe_intermediate_size = raw["intermediate_size"]
         cfg.norm_topk_prob = True  # softmax over the top-k logits: the top-k of a softmax, renormalized
         cfg.swiglu_alpha, cfg.swiglu_limit = raw.get("swiglu_alpha", 1.702), raw.get("swiglu_limit", 7.0)
         return cfg
