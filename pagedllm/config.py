@@ -71,6 +71,8 @@ class EngineConfig:
     max_logprobs: int = 20  # the most top logprobs a request may ask for per token (vLLM's max_logprobs)
     speculative_config: Any = None  # vLLM's: {"method": "ngram" | "draft_model", ...} or JSON; parsed into a SpeculativeConfig
     kv_events_config: Any = None  # vLLM's: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...} or JSON
+    kv_offload_dir: str | None = None  # the prefix cache's disk tier (engine/kv_offload.py); None: none
+    kv_offload_bytes: int | str = "16GiB"  # its budget on disk (least recently used blocks go first)
     model_registry: Any = None  # a ModelRegistry with architectures of one's own (None: the built-in ones)
 
     def __post_init__(self) -> None:
@@ -109,6 +111,7 @@ class EngineConfig:
             from .spec_decode.ngram import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_offload_bytes = parse_size(self.kv_offload_bytes)
         if self.kv_events_config is not None:
             from .engine.kv_events import KVEventsConfig
 

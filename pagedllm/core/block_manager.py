@@ -18,6 +18,8 @@ and leaves the decision (wait, preempt) to the scheduler.
 * Events (`events`, None unless asked for): every key the prefix cache gains or loses, in order, as
   ("stored", [keys], parent key, token ids) / ("removed", [keys]) / ("cleared",), so that a router
   (engine/kv_events.py publishes them) can rebuild the cache's contents exactly.
+* New blocks (`new_blocks`, None unless asked for): (key, block id, token ids) of every block the cache
+  gained, for the disk tier to save once the step that fills them has run (engine/kv_offload.py).
 * Groups (kv_spec.plan_kv_layout): each group of layers has its own table per request, all drawn
   from this one pool. A sliding-window group's table entries before the window of the next token
   become NULL_BLOCK and their blocks go back to the pool (cached, so a later prompt can still hit
@@ -129,9 +131,11 @@ class Blocks:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), record_events: bool = False) -> None:
+                 windows: Sequence[int | None] = (None,), record_events: bool = False,
+                 record_new_blocks: bool = False) -> None:
         """windows: each group's sliding window (None: full attention), as kv_spec.KVLayout.windows;
-        record_events: keep the prefix cache's changes in `events` until take_events()."""
+        record_events: keep the prefix cache's changes in `events` until take_events(); record_new_blocks:
+        keep the blocks it gains in `new_blocks` until take_new_blocks()."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
@@ -150,6 +154,7 @@ class BlockManager:
         self._num_registered: list[dict[str, int]] = [{} for _ in self.windows]
         self._in_use = [0] * len(self.windows)  # blocks with holders, by group
         self.events: list[tuple] | None = [] if record_events else None
+        self.new_blocks: list[tuple[bytes, int, tuple[int, ...]]] | None = [] if record_new_blocks else None
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -233,6 +238,10 @@ class BlockManager:
         return [[NULL_BLOCK] * first[g] + [self._hit(g, i, hashes, token_ids) for i in range(first[g], n)]
                 for g in range(len(self.windows))]
 
+    def prefix_keys(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
+        """The first group's keys of the full blocks that prefix_hits may serve (all but the last token)."""
+        return list(self._extend_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size, salt))
+
     @staticmethod
     def _key(h: bytes, g: int) -> bytes:
         return h if g == 0 else h + bytes((g,))
@@ -277,13 +286,14 @@ class BlockManager:
 
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                        num_new: int, computed_blocks: Sequence[Sequence[int]] = (), num_lookahead: int = 0,
-                       salt: str | None = None, reserve_free: int = 0
+                       salt: str | None = None, reserve_free: int = 0, cache_upto: int | None = None
                        ) -> list[tuple[int, int]] | None:
         """Make room for num_new tokens after num_computed (which includes computed_blocks, each group's
         prefix-cache hits of a newly admitted request, as prefix_hits gives them). Returns the (src, dst)
         block copies the model runner must do first (copy-on-write), or None if the pool cannot serve it
         while keeping reserve_free blocks free. Blocks that left a sliding window are released first, as
-        they would be on any call; on None nothing else has changed."""
+        they would be on any call; on None nothing else has changed. cache_upto: offer only the blocks of the
+        first cache_upto tokens to the prefix cache (the rest are being loaded: cache_blocks once they are)."""
         bs = self.block_size
         total = num_computed + num_new + num_lookahead
         for g in range(len(self.windows)):
@@ -325,8 +335,16 @@ class BlockManager:
             for _ in range(n_new_blocks):
                 table.append(self._take_free(g))
             if self.enable_caching:
-                self._cache_full_blocks(g, request_id, token_ids, num_computed + num_new, salt)
+                upto = num_computed + num_new if cache_upto is None else cache_upto
+                self._cache_full_blocks(g, request_id, token_ids, upto, salt)
         return copies
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int, salt: str | None) -> None:
+        """Offer the request's full blocks of its first num_tokens tokens to the prefix cache (blocks whose KV
+        was loaded rather than computed, once it is in place)."""
+        if self.enable_caching:
+            for g in range(len(self.windows)):
+                self._cache_full_blocks(g, request_id, token_ids, num_tokens, salt)
 
     def _leave_window(self, g: int, request_id: str, num_computed: int) -> None:
         """Release the blocks of group g's table that no token from num_computed on reads."""
@@ -359,6 +377,8 @@ class BlockManager:
             if self.cached.setdefault(blk.block_hash, blk.block_id) == blk.block_id:
                 stored.append(i)
         registered[request_id] = max(num_full, registered.get(request_id, 0))
+        if self.new_blocks is not None:
+            self.new_blocks += [(self._key(hashes[i], g), table[i], self.blocks[table[i]].token_ids) for i in stored]
         if self.events is not None:
             self._record_stored(g, hashes, stored, token_ids)
 
@@ -382,6 +402,11 @@ class BlockManager:
         """The cache's changes since the last call, oldest first."""
         events, self.events = self.events or [], [] if self.events is not None else None
         return events
+
+    def take_new_blocks(self) -> list[tuple[bytes, int, tuple[int, ...]]]:
+        """The blocks the cache gained since the last call: (key, block id, token ids), oldest first."""
+        new, self.new_blocks = self.new_blocks or [], [] if self.new_blocks is not None else None
+        return new
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares all the parent's blocks (copy-on-write on the partial one)."""

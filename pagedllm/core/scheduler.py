@@ -5,6 +5,10 @@ first; when one needs a block and none is free, the lowest-priority, most recent
 running request is preempted (blocks freed, requeued for recomputation). Waiting requests are
 admitted in (priority, arrival) order while the budget, max_num_seqs and the free blocks (less
 a small watermark) allow. No torch here.
+
+With a disk tier (`offload`: how many of a run of block keys it holds), a request whose prefix misses in RAM
+and hits on disk is admitted with blocks for those keys and waits in `loading`, out of the batch, while they
+are read in; `finish_loading` then offers them to the prefix cache and lets it run from there.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequestError
@@ -39,6 +44,8 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)  # forks' state slots (src, dst), first
+    # disk-tier reads to start: (request id, [(key, block id, token ids)]), finish_loading when done
+    loads: list[tuple[str, list[tuple[bytes, int, tuple[int, ...]]]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,6 +56,7 @@ class SchedulerOutput:
 class SchedulerCounters:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    disk_cache_hits: int = 0  # prompt tokens read from the disk tier (also counted in prefix_cache_hits)
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -60,9 +68,12 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", watermark: float = 0.01,
-                 state_slots: StateSlots | None = None) -> None:
-        """state_slots: for models with linear-attention layers, a state slot per admitted sequence."""
+                 state_slots: StateSlots | None = None, offload: Callable[[list[bytes]], int] | None = None) -> None:
+        """state_slots: for models with linear-attention layers, a state slot per admitted sequence.
+        offload: a disk tier's lookup, how many leading keys of a list it holds (one group of layers only)."""
         self.bm = block_manager
+        self.offload = offload
+        self.loading: dict[str, tuple[Request, int]] = {}  # reading blocks in: (request, tokens hit in RAM)
         self.state_slots = state_slots
         self._state_copies: list[tuple[int, int]] = []  # forks made since the last schedule()
         self.max_num_seqs = max_num_seqs
@@ -127,7 +138,8 @@ class Scheduler:
             self.running.remove(req)
         self.waiting.pop(req.request_id, None)
         self._arrival_no.pop(req.request_id, None)
-        self.bm.free(req.request_id)
+        if req.request_id not in self.loading:  # else blocks being read into are freed once the read is over
+            self.bm.free(req.request_id)
         self._give_slots(req)
         req.status = status
         req.finished_time = time.monotonic()
@@ -170,7 +182,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.loading)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -231,13 +243,20 @@ class Scheduler:
             if req is None:
                 break
             group = 1 + len(req.pending_forks)
-            if len(self.running) + group > self.max_num_seqs and self.running:
+            if len(self.running) + len(self.loading) + group > self.max_num_seqs and self.running:
                 break
             if self.state_slots is not None and self.state_slots.num_free < group:
                 break  # a slot for it and each of its forks
             tokens = req.all_token_ids
             hits = self.bm.prefix_hits(req.request_id, tokens, req.cache_salt)
             num_cached = len(hits[0]) * self.bm.block_size
+            if self.offload is not None and self.bm.enable_caching:
+                keys = self.bm.prefix_keys(req.request_id, tokens, req.cache_salt)[len(hits[0]):]
+                on_disk = self.offload(keys) if keys else 0
+                if on_disk:
+                    if not self._admit_loading(req, hits, keys[:on_disk], out):
+                        break
+                    continue
             num_new = len(tokens) - num_cached
             if num_new > budget and not self.chunked:
                 break
@@ -267,6 +286,46 @@ class Scheduler:
             out.copies.extend(copies)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    def _admit_loading(self, req: Request, hits: list[list[int]], keys: list[bytes], out: SchedulerOutput) -> bool:
+        """Blocks for the keys the disk tier holds after the RAM hits, to be read in (out.loads) while the
+        request waits in `loading`; False: the pool cannot give them now."""
+        bs, tokens = self.bm.block_size, req.all_token_ids
+        num_cached = len(hits[0]) * bs
+        copies = self.bm.allocate_slots(req.request_id, tokens, num_cached, len(keys) * bs, computed_blocks=hits,
+                                        salt=req.cache_salt, cache_upto=num_cached,
+                                        reserve_free=self.watermark_blocks if self.running else 0)
+        if copies is None:
+            return False
+        heapq.heappop(self._waiting)
+        del self.waiting[req.request_id]
+        self.loading[req.request_id] = (req, num_cached)
+        self.counters.prefix_cache_queries += len(tokens)
+        self.counters.prefix_cache_hits += num_cached
+        table, first = self.bm.table(req.request_id), len(hits[0])
+        out.loads.append((req.request_id, [(k, table[first + i], tuple(tokens[(first + i) * bs:(first + i + 1) * bs]))
+                                           for i, k in enumerate(keys)]))
+        return True
+
+    def finish_loading(self, request_id: str, num_loaded: int) -> None:
+        """The disk tier read the first num_loaded blocks of a load (the rest failed: they are computed): the
+        request joins the batch after them. One aborted meanwhile has its blocks freed now."""
+        req, num_cached = self.loading.pop(request_id)
+        if req.is_finished:
+            self.bm.free(request_id)
+            return
+        num = num_cached + num_loaded * self.bm.block_size
+        self.bm.cache_blocks(request_id, req.all_token_ids, num, req.cache_salt)
+        if req.status is RequestStatus.WAITING:  # first admission, not a readmission
+            req.num_cached_tokens = num
+        self.counters.prefix_cache_hits += num - num_cached
+        self.counters.disk_cache_hits += num - num_cached
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num
+        req.admitted_seq = next(self._admit_counter)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> None:
         """Advance progress after the model ran; append the sampled tokens. A speculating request

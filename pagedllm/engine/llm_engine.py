@@ -79,13 +79,27 @@ class LLMEngine:
             from .kv_events import make_publisher
 
             self.kv_events = make_publisher(config.kv_events_config, bs)
+        if config.kv_offload_dir is not None:
+            why = ("prefix caching is off" if not config.enable_prefix_caching else
+                   f"{mc.architecture} keeps a linear-attention state" if has_state else
+                   "its layers keep KV in groups of different kinds (run with hybrid_kv_cache=False)"
+                   if len(layout.groups) > 1 else
+                   "tensor parallelism shards the pool across processes" if config.tensor_parallel_size > 1 else
+                   "a draft model's pool is not saved" if draft is not None else None)
+            if why is not None:
+                raise ConfigError(f"the disk KV tier (kv_offload_dir) cannot serve this engine: {why}")
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching and not has_state,
-                                          layout.windows, record_events=self.kv_events is not None)
+                                          layout.windows, record_events=self.kv_events is not None,
+                                          record_new_blocks=config.kv_offload_dir is not None)
         self.scheduler = Scheduler(self.block_manager, max_seqs, config.max_num_batched_tokens,
                                    max_len, config.enable_chunked_prefill, config.preemption_mode,
                                    config.watermark, state_slots)
         self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls, layout,
                                                   max_seqs if has_state else 0)
+        self.offload = None  # the prefix cache's disk tier (kv_offload.py)
+        if config.kv_offload_dir is not None:
+            self.offload = self._open_offload(loaded.dtype, kv_dtype, bs)
+            self.scheduler.offload = self.offload.store.leading_hits
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -107,6 +121,29 @@ class LLMEngine:
             self.draft = DraftModel(self.spec, self.executor, draft, mc.vocab_size, self.sampler, self.structured)
             self.proposer = self.draft
         log.info("engine ready in %.1f s", time.monotonic() - t0)
+
+    def _open_offload(self, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int):
+        """The disk tier over this runner's pool, in the directory's part for this model and KV format."""
+        import hashlib
+        import json
+
+        from ..model_executor.model_loader import model_content_key
+        from .kv_offload import FORMAT, DiskStore, KVOffloader
+
+        pools = self.runner.block_pools
+        fingerprint = hashlib.sha256(json.dumps({
+            "model": model_content_key(self.config.model), "quantization": self.config.quantization,
+            "dtype": str(dtype), "kv_dtype": str(kv_dtype), "cache": type(self.runner.slot_caches[0]).__name__,
+            "block_size": block_size, "pools": [list(p.shape[1:]) for p in pools], "format": FORMAT,
+        }).encode()).hexdigest()[:24]
+        store = DiskStore(self.config.kv_offload_dir, fingerprint, self.config.kv_offload_bytes)
+        log.info("disk KV tier: %s (%.1f GiB budget)", store.dir, store.budget / 2**30)
+        return KVOffloader(store, pools)
+
+    def _finish_loads(self, timeout: float | None = None) -> None:
+        """Requests whose blocks the disk tier has read in join the batch."""
+        for rid, n in self.offload.poll(timeout):
+            self.scheduler.finish_loading(rid, n)
 
     # ---- requests ------------------------------------------------------------------------
     def prepare_prompt(self, prompt: PromptType) -> dict:
@@ -172,7 +209,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.spec is not None:
             self._propose()
+        if self.offload is not None:
+            self._finish_loads()
         sched = self.scheduler.schedule()
+        while self.offload is not None:
+            for rid, blocks in sched.loads:
+                self.offload.load(rid, blocks)
+            if sched.scheduled or not self.offload.num_loading:
+                break
+            self._finish_loads(timeout=1.0)  # only loads in flight: wait for one, rather than spin
+            sched = self.scheduler.schedule()
         if not sched.scheduled:
             self._publish_events()
             return []
@@ -180,6 +226,8 @@ class LLMEngine:
         if self.draft is not None:
             self.draft.run(sched, self.block_manager.group_tables)
         res = self.execute(sched)
+        if self.offload is not None:  # the blocks the cache gained hold their KV now
+            self.offload.save(self.block_manager.take_new_blocks())
         # from here on, an exception is one request's: its group is aborted alone (failed), the batch goes on
         failed: dict[str, BaseException] = {}
         # a leader finishing its prompt also samples the first token of each of its forks; a speculating
@@ -356,8 +404,11 @@ class LLMEngine:
         return make_output(g)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the KV events' publisher, if any."""
+        """Stop the tensor-parallel workers, the KV events' publisher and the disk tier (its saves written)."""
         self.executor.shutdown()
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
         if self.kv_events is not None:
             self.kv_events.shutdown()
 
@@ -368,7 +419,8 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def _view(self) -> EngineView:
         return EngineView(self.block_manager, self.scheduler, self.spec_counters, self.num_steps, self.bytes_per_block,
-                          self.model_name, self.max_model_len)
+                          self.model_name, self.max_model_len,
+                          self.offload.counters if self.offload is not None else None)
 
     def kv_snapshot(self) -> dict:
         """The KV pool block by block, the live requests and counters (stats.kv_snapshot); the dashboard draws it."""

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from ..core.block_manager import BlockManager
 from ..core.scheduler import Scheduler
 from ..spec_decode.ngram import SpecDecodeCounters
+from .kv_offload import OffloadCounters
 
 
 @dataclass
@@ -37,6 +38,10 @@ class EngineStats:
     # the KV layout's groups (kv_spec.plan_kv_layout): their attention kind and the blocks each holds now
     kv_groups: list[str] = field(default_factory=list)
     kv_blocks_by_group: list[int] = field(default_factory=list)
+    num_loading: int = 0  # requests waiting for the disk tier to read their prefix in
+    disk_cache_hits: int = 0  # prompt tokens read from the disk tier (in prefix_cache_hits too)
+    # the disk tier's counters (kv_offload.OffloadCounters); empty without one
+    kv_offload: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,6 +58,7 @@ class EngineView:
     bytes_per_block: int
     model_name: str
     max_model_len: int
+    offload: OffloadCounters | None = None
 
 
 def engine_stats(engine: EngineView, filled: int | None = None, cached_free: int | None = None) -> EngineStats:
@@ -75,7 +81,8 @@ def engine_stats(engine: EngineView, filled: int | None = None, cached_free: int
         spec_num_draft_tokens=spec.num_draft_tokens, spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_accepted_per_pos=list(spec.accepted_per_pos),
         kv_groups=["full" if w is None else f"sliding_window={w}" for w in bm.windows],
-        kv_blocks_by_group=bm.blocks_by_group())
+        kv_blocks_by_group=bm.blocks_by_group(), num_loading=len(sc.loading), disk_cache_hits=c.disk_cache_hits,
+        kv_offload=engine.offload.to_dict() if engine.offload is not None else {})
 
 
 def kv_snapshot(engine: EngineView) -> dict:
@@ -84,7 +91,7 @@ def kv_snapshot(engine: EngineView) -> dict:
     t0 = time.perf_counter()
     sc, bm = engine.scheduler, engine.block_manager
     bs, max_len = bm.block_size, engine.max_model_len
-    reqs = [*sc.running, *sc.waiting.values()]
+    reqs = [*sc.running, *sc.waiting.values(), *(r for r, _ in sc.loading.values())]
     pool = bm.snapshot([r.request_id for r in reqs], {r.request_id: r.num_computed_tokens for r in sc.running})
     rows = [{"id": r.request_id, "status": r.status.value, "prompt_tokens": r.num_prompt_tokens,
              "output_tokens": len(r.output_token_ids), "computed_tokens": r.num_computed_tokens,

@@ -35,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='prefix-cache events for fleet routers, vLLM\'s schema and transport, as JSON: '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
                         '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'')
+    g.add_argument("--kv-offload-dir", default=None,
+                   help="a directory for the prefix cache's disk tier: computed blocks are saved there and read back "
+                        "instead of recomputed (across restarts too; several servers may share it)")
+    g.add_argument("--kv-offload-bytes", default="16GiB", help="the disk tier's budget, e.g. 50GiB (LRU eviction)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, vLLM\'s names: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or \'{"method": "draft_model", "model": PATH}\'')
@@ -43,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("model", "dtype", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks", "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
                "enable_chunked_prefill", "hybrid_kv_cache", "preemption_mode", "seed", "num_threads", "speculative_config",
-               "kv_events_config",
+               "kv_events_config", "kv_offload_dir", "kv_offload_bytes",
                "tensor_parallel_size")
 
 

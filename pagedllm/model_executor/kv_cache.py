@@ -37,6 +37,11 @@ class KVCache:
         v = self.v[block_tables].view(b, nb * self.block_size, *self.v.shape[2:])
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
+    def pools(self) -> list[torch.Tensor]:
+        """Every tensor holding a block's state, indexed by block id first, as bytes (uint8 views): a block
+        saved as these and read back into them is the same block (the disk tier)."""
+        return [self.k.view(torch.uint8), self.v.view(torch.uint8)]
+
     def copy_block(self, src: int, dst: int) -> None:
         self.k[dst].copy_(self.k[src])
         self.v[dst].copy_(self.v[src])

@@ -71,6 +71,9 @@ class FP8KVCache(KVCache):
             out.append(dequantize(q, s, self.compute_dtype))
         return out[0], out[1]
 
+    def pools(self) -> list[torch.Tensor]:
+        return [*super().pools(), self.k_scale.view(torch.uint8), self.v_scale.view(torch.uint8)]
+
     def copy_block(self, src: int, dst: int) -> None:
         for data in (self.k, self.v):
             data.view(torch.uint8)[dst].copy_(data.view(torch.uint8)[src])

@@ -70,6 +70,8 @@ class ModelRunner:
         # one pool tensor per slot; layer i of every group keeps its K/V in slot i's
         self.slot_caches = [cache_factory(num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype, self.dtype)
                             for s in self.layout.slot_specs(specs)]
+        # every pool tensor as bytes, block id first: what the disk tier saves and restores of a block
+        self.block_pools = [t for c in self.slot_caches for t in c.pools()]
         states = model.state_caches(num_state_slots) if num_state_slots else {}
         self.state_caches = list(states.values())
         self.caches = [self.slot_caches[j] if j >= 0 else states[i]  # per layer

@@ -39,6 +39,21 @@ class _StatsCollector:
             (C, "spec_decode_num_draft_tokens", "Tokens proposed", s.spec_num_draft_tokens),
             (C, "spec_decode_num_accepted_tokens", "Proposed tokens accepted", s.spec_num_accepted_tokens),
         ]
+        if s.kv_offload:  # the disk tier
+            o = s.kv_offload
+            families += [
+                (G, "num_requests_loading_kv", "Requests waiting for the disk tier to read their prefix in",
+                 s.num_loading),
+                (C, "kv_offload_hit_tokens", "Prompt tokens read from the disk tier", s.disk_cache_hits),
+                (C, "kv_offload_blocks_loaded", "Blocks read from the disk tier", o["blocks_loaded"]),
+                (C, "kv_offload_blocks_saved", "Blocks written to the disk tier", o["blocks_saved"]),
+                (C, "kv_offload_read_bytes", "Bytes read from the disk tier", o["bytes_read"]),
+                (C, "kv_offload_written_bytes", "Bytes written to the disk tier", o["bytes_written"]),
+                (C, "kv_offload_load_seconds", "Time spent reading blocks in", o["load_seconds"]),
+                (C, "kv_offload_saves_dropped", "Blocks not saved: the writer was behind", o["saves_dropped"]),
+                (C, "kv_offload_corrupt_files", "Files that failed their checks (recomputed)", o["corrupt_files"]),
+                (C, "kv_offload_files_evicted", "Files removed to stay within the budget", o["files_evicted"]),
+            ]
         for family, name, doc, value in families:
             m = family(f"pagedllm:{name}", doc)
             m.add_metric([], value)

