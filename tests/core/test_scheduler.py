@@ -133,3 +133,43 @@ def test_prefix_cache_hit_counts():
     s.add_request(req("b", 10, 1))
     assert step(s) == {"b": 2}  # 8 of 10 tokens from the cache
     assert s.counters.prefix_cache_hits == 8 and s.counters.prefix_cache_queries == 20
+
+
+def test_a_disk_hit_is_read_in_while_its_request_waits_outside_the_batch():
+    """Prompt of 14 tokens, blocks of 4: three full blocks may be served, and the disk tier holds them. The
+    request is admitted with blocks for them and waits in `loading`; the others run meanwhile. Two of the
+    three are read: it runs from token 8, and only those two are offered to the RAM cache."""
+    held: set[bytes] = set()
+    s = make(offload=lambda keys: next((i for i, k in enumerate(keys) if k not in held), len(keys)))
+    probe = BlockManager(16, 4)
+    held.update(probe.prefix_keys("x", list(range(14))))
+    a, b = req("a", 14, 2), req("b", 3, 1, base=100)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["b"]  # a does not hold the batch up
+    [(rid, blocks)] = out.loads
+    assert rid == "a" and [k for k, _, _ in blocks] == probe.prefix_keys("x", list(range(14)))
+    assert [bid for _, bid, _ in blocks] == s.bm.table("a") and [t for _, _, t in blocks][1] == (4, 5, 6, 7)
+    assert not set(s.bm.cached.values()) & set(s.bm.table("a"))  # none of a's blocks is offered yet
+    s.update(out, {"b": 7})
+    assert s.num_unfinished == 2 and a.status is RequestStatus.WAITING
+    s.finish_loading("a", 2)
+    assert a.status is RequestStatus.RUNNING and a.num_computed_tokens == 8 and a.num_cached_tokens == 8
+    assert [s.bm.cached[k] for k in probe.prefix_keys("x", list(range(14)))[:2]] == s.bm.table("a")[:2]
+    assert probe.prefix_keys("x", list(range(14)))[2] not in s.bm.cached  # not read: computed instead
+    assert step(s) == {"a": 6, "b": 1}  # a from token 8: the unread block and the rest of the prompt
+    assert s.counters.disk_cache_hits == 8 and s.counters.prefix_cache_hits == 8
+
+
+def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_read_ends():
+    """The loader is writing into its blocks: they go back to the pool only when it reports."""
+    s = make(offload=lambda keys: len(keys))
+    a = req("a", 14, 2)
+    s.add_request(a)
+    out = s.schedule()
+    assert out.loads and not out.scheduled
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert s.bm.num_free_blocks == 16 - 3  # still held by the read in flight
+    s.finish_loading("a", 3)
+    assert s.bm.num_free_blocks == 16 and not s.bm.cached and s.num_unfinished == 0
