@@ -152,14 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
 
-    from ..bench import latency, memory, roofline, serve, structured, throughput
+    from ..bench import latency, memory, offload, roofline, serve, structured, throughput
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput | latency | serve | memory | roofline | structured")
+    bench = sub.add_parser("bench", help="benchmarks: throughput | latency | serve | memory | offload | roofline | "
+                                          "structured")
     bsub = bench.add_subparsers(dest="bench", required=True)
     for name, mod, doc in (("throughput", throughput, "pagedllm vs the traditional approach on a workload"),
                            ("latency", latency, "one request: time to first token, decode tokens/s"),
                            ("serve", serve, "drive a running server: Poisson arrivals, latency percentiles"),
                            ("memory", memory, "KV bytes used by paging vs max-length preallocation"),
+                           ("offload", offload, "the prefix cache's disk tier: after a restart, and past the RAM pool"),
                            ("roofline", roofline, "decode step time vs this machine's bandwidth/compute floor"),
                            ("structured", structured, "throughput with part of the batch grammar-constrained")):
         b = bsub.add_parser(name, help=doc)
