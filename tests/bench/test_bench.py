@@ -83,6 +83,23 @@ def test_memory(llama_dir, tmp_path):
     assert s["peak_concurrency"] == max(series["running"]) <= 16
 
 
+def test_offload(llama_dir, tmp_path):
+    """A 64-token prefix read back after a restart (4 blocks), and 16 requests over 8 documents of 64 tokens whose
+    KV is 4x the pool: the tier's run reads documents back, the RAM-only run cannot."""
+    out = tmp_path / "o.json"
+    run_bench("offload", "--model", llama_dir, "--dtype", "float32", "--block-size", "16", "--prefix-len", "64",
+              "--num-docs", "8", "--doc-len", "64", "--num-requests", "16", "--json", str(out))
+    d = json.loads(out.read_text())
+    r = d["restart"]
+    assert r["disk_page_cache_hit_tokens"] == r["disk_cold_hit_tokens"] == 64
+    assert r["speedup_cold"] == pytest.approx(r["recompute"] / r["disk_cold"])
+    w = d["workload"]
+    assert w["pool_bytes"] * 4 == pytest.approx(w["docs_kv_bytes"], rel=1e-6)
+    assert w["ram_only"]["disk_hit_tokens"] == 0 < w["disk_tier"]["disk_hit_tokens"]
+    assert w["disk_tier"]["offload"]["blocks_saved"] > 0
+    assert w["speedup"] == pytest.approx(w["ram_only"]["wall_s"] / w["disk_tier"]["wall_s"])
+
+
 def test_roofline(llama_dir, tmp_path):
     out = tmp_path / "r.json"
     run_bench("roofline", "--model", llama_dir, "--batch", "4", "--context-len", "16", "--decode-steps", "4",
