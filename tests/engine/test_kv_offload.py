@@ -148,3 +148,26 @@ def test_another_salt_or_kv_format_never_reads_the_blocks(llama_dir, tmp_path):
 def test_an_engine_the_tier_cannot_serve_is_a_clear_error(llama_dir, tmp_path):
     with pytest.raises(ConfigError, match="prefix caching is off"):
         LLM(llama_dir, enable_prefix_caching=False, kv_offload_dir=str(tmp_path))
+
+
+def test_processes_sharing_a_directory_read_whole_blocks_only(tmp_path):
+    """Four processes write and read the same 40 blocks at once: every read is whole (no torn or failed file), and
+    no temporary file is left."""
+    import subprocess
+    import sys
+
+    code = f"""
+import hashlib, sys
+from pagedllm.engine.kv_offload import DiskStore
+store = DiskStore({str(tmp_path)!r}, "fp", 1 << 30)
+for rnd in range(3):
+    for i in range(40):
+        key = hashlib.sha256(bytes([i])).digest()
+        store.put(key, (i,), [bytes([i]) * 50000])
+        got = store.get(key, (i,), 50000)
+        assert got is not None and got == bytes([i]) * 50000, i
+assert store.counters.corrupt_files == 0
+"""
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    assert len(list(Path(tmp_path).glob("*/*/*.kv"))) == 40 and not list(Path(tmp_path).glob("*/*/*.tmp"))
