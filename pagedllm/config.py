@@ -40,7 +40,27 @@ def parse_size(value: int | float | str) -> int:
     return size
 
 
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0")
+INT_KV_DTYPES = ("q8_0", "q4_0")  # llama.cpp's cache types; K and V may differ: "q8_0/q4_0" or {"k": .., "v": ..}
+
+
+def parse_kv_cache_dtype(value: Any) -> str:
+    """One KV cache dtype for K and V, or "K/V" integer formats (from "q8_0/q4_0" or {"k": "q8_0", "v": "q4_0"})."""
+    if isinstance(value, dict):
+        if set(value) != {"k", "v"}:
+            raise ConfigError(f'kv_cache_dtype as a dict needs the keys "k" and "v", got {sorted(value)}')
+        value = f"{value['k']}/{value['v']}"
+    if not isinstance(value, str):
+        raise ConfigError(f"kv_cache_dtype must be a string or a {{'k': .., 'v': ..}} dict, got {value!r}")
+    if "/" in value:
+        k, _, v = value.partition("/")
+        if k not in INT_KV_DTYPES or v not in INT_KV_DTYPES:
+            raise ConfigError(f"K and V formats of their own are integer formats {INT_KV_DTYPES}, got {value!r}")
+        return k if k == v else value
+    if value not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} or K/V integer formats such as "
+                          f"'q8_0/q4_0', got {value!r}")
+    return value
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # at-load targets: gguf-py's quantizers
 
@@ -50,7 +70,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     quantization: str | None = None  # None: weights as stored; "none": dequantize a GGUF; q8_0, q4_0, ...
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | dict = "auto"  # or q8_0 / q4_0 blocks, K and V each its own: "q8_0/q4_0", {"k":, "v":}
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; default 2GiB when nothing is set
     num_kv_blocks: int | None = None
@@ -80,8 +100,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ConfigError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.max_num_seqs < 1:

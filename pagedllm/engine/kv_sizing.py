@@ -37,7 +37,11 @@ def kv_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dty
         return model_dtype, KVCache
     if kv_cache_dtype in _TORCH_DTYPES:
         return _TORCH_DTYPES[kv_cache_dtype], KVCache
-    from ..model_executor.kv_quant import FP8KVCache
+    from ..model_executor.kv_quant import INT_FORMATS, FP8KVCache, int_kv_cache
+
+    k, _, v = kv_cache_dtype.partition("/")
+    if k in INT_FORMATS:
+        return torch.uint8, int_kv_cache(k, v or k)
 
     return FP8KVCache.storage_dtype(kv_cache_dtype), FP8KVCache
 
@@ -77,6 +81,12 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
     bs = config.block_size
     world = config.tensor_parallel_size
     layout = layout or plan_kv_layout(specs, hybrid=False)
+    odd = sorted({s.head_dim for s in [*specs, *(draft_specs or [])] if s is not None and s.head_dim % 32})
+    from ..model_executor.kv_quant import IntKVCache
+
+    if issubclass(cache_cls, IntKVCache) and odd:
+        raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype} stores blocks of 32 values of a head; this model "
+                          f"has heads of {odd[0]}")
     bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype)
                           for s in layout.slot_specs(specs))
     bytes_per_token += sum(cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in draft_specs or []

@@ -13,7 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="default: weights as stored (a GGUF's own formats); none: dequantize a GGUF to --dtype; "
                         "else quantize the linears at load")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+                   help="auto | float32 | bfloat16 | float16 | fp8_e4m3 | fp8_e5m2 | q8_0 | q4_0, or K/V integer "
+                        "formats of their own: q8_0/q4_0")
     g.add_argument("--kv-cache-memory", default=None, help="KV pool budget, e.g. 512MiB, 2GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--memory-utilization", type=float, default=None)

@@ -4,7 +4,7 @@ The KV pool of a layer is `[num_blocks, block_size, num_kv_heads, head_dim]` for
 Each step the new tokens' K/V are written to their slots (block_id * block_size + offset), then
 every sequence attends over its own blocks. The rows of a step are ordered:
 1. "paged" rows: decodes and prefill chunks that start mid-sequence. They attend over the pool.
-   With the C++ op (fp32 model; fp32, bf16 or fp8 pool) all of them go through one call that reads K/V rows straight
+   With the C++ op (fp32 model; fp32, bf16, fp8, q8_0 or q4_0 pool) all of them go through one call that reads K/V rows straight
    from their blocks. Otherwise (pure torch): decodes are batched over gathered blocks masked by
    context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
 2. prefills: fresh prompts (nothing cached before them) and long mid-sequence chunks. Over a bf16 pool
@@ -165,9 +165,9 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
                        cache: KVCache, meta: AttentionMetadata, scale: float,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The C++ path from a layer's fused qkv [T, (H + 2 KVH) D]: rope, the K/V write and the paged rows in
-    one call where the pool stores K/V as computed (fp32, bf16; an fp8 pool is written by its cache), then
+    one call where the pool stores K/V as computed (fp32, bf16; fp8 and integer pools are written by their cache), then
     SDPA for fresh prompts. cos, sin: [T, D / 2]. Returns [T, H, D]."""
-    t, kvh, d = qkv.shape[0], cache.k.shape[2], cache.k.shape[3]
+    t, kvh, d = qkv.shape[0], cache.k.shape[2], cache.head_dim
 
     def heads() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, H, D], k and v [T, KVH, D]: views
         q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)

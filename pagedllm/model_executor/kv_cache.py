@@ -19,6 +19,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype)
         self.compute_dtype = compute_dtype
         self.block_size = block_size
+        self.head_dim = head_dim  # (a pool's last dimension may be bytes of blocks: kv_quant.IntKVCache)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, KVH, D] written to flat slots [T]."""

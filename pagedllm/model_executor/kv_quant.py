@@ -79,3 +79,81 @@ class FP8KVCache(KVCache):
             data.view(torch.uint8)[dst].copy_(data.view(torch.uint8)[src])
         self.k_scale[dst].copy_(self.k_scale[src])
         self.v_scale[dst].copy_(self.v_scale[src])
+
+
+# Integer KV blocks as llama.cpp's cache types: 32 values of one K or V head share an fp16 scale d, then the
+# values: q8_0 32 int8 (x = d q), q4_0 16 bytes of nibble pairs (value j in the low nibble of byte j, value 16 + j
+# in the high one; x = d (q - 8)). A head of D values is D / 32 such blocks, [NB, BS, KVH, D / 32 x bytes] uint8.
+# Quantized as gguf-py (hence ggml) does, bit for bit: q8_0 d = amax / 127, q rounded half away from zero;
+# q4_0 d = (the value of largest magnitude) / -8, q = trunc(x / d + 8.5) clipped to 15.
+INT_FORMATS = {"q8_0": 34, "q4_0": 18}  # bytes per 32 values
+
+
+def quantize_int(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x: [..., D] (D a multiple of 32) -> [..., D / 32 * bytes] uint8 blocks of `fmt`."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)  # [..., D / 32, 32]
+    if fmt == "q8_0":
+        d = b.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d == 0, 0.0, 1.0 / d)
+        v = b * inv
+        q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8).view(torch.uint8)
+    else:
+        i = b.abs().argmax(-1, keepdim=True)
+        d = b.gather(-1, i) / -8
+        inv = torch.where(d == 0, 0.0, 1.0 / d)
+        n = torch.trunc(b.double() * inv.double() + 8.5).float().clamp(max=15).to(torch.uint8)
+        q = n[..., :16] | (n[..., 16:] << 4)
+    scale = d.to(torch.float16).view(torch.uint8)  # [..., D / 32, 2]
+    return torch.cat([scale, q], -1).flatten(-2)
+
+
+def dequantize_int(q: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """[..., D / 32 * bytes] uint8 blocks of `fmt` -> [..., D] in dtype."""
+    b = q.reshape(*q.shape[:-1], -1, INT_FORMATS[fmt])
+    d = b[..., :2].contiguous().view(torch.float16).float()  # [..., D / 32, 1]
+    if fmt == "q8_0":
+        v = b[..., 2:].contiguous().view(torch.int8).float()
+    else:
+        n = b[..., 2:]
+        v = torch.cat([n & 15, n >> 4], -1).float() - 8
+    return (v * d).flatten(-2).to(dtype)
+
+
+class IntKVCache(KVCache):
+    """K and V in q8_0 / q4_0 blocks (each its own format: `formats`), quantized when written; the C++ op reads
+    them in place (attention.cpp), the torch paths through gather."""
+
+    lossy = True
+    formats: tuple[str, str] = ("q8_0", "q8_0")  # (K, V): set by int_kv_cache
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+        if head_dim % 32:
+            raise ValueError(f"{'/'.join(self.formats)} KV needs a head_dim that is a multiple of 32, got {head_dim}")
+        kb, vb = (head_dim // 32 * INT_FORMATS[f] for f in self.formats)
+        self.k = torch.zeros((num_blocks, block_size, num_kv_heads, kb), dtype=torch.uint8)
+        self.v = torch.zeros((num_blocks, block_size, num_kv_heads, vb), dtype=torch.uint8)
+        self.head_dim, self.compute_dtype, self.block_size = head_dim, compute_dtype, block_size
+
+    @classmethod
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_kv_heads * -(-head_dim // 32) * sum(INT_FORMATS[f] for f in cls.formats)
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for pool, fmt, x in ((self.k, self.formats[0], k), (self.v, self.formats[1], v)):
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, slot_mapping, quantize_int(x, fmt))
+
+    def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, nb = block_tables.shape
+        out = [dequantize_int(pool[block_tables].view(b, nb * self.block_size, *pool.shape[2:]), fmt,
+                              self.compute_dtype)  # [B, L, KVH, D]
+               for pool, fmt in ((self.k, self.formats[0]), (self.v, self.formats[1]))]
+        return out[0], out[1]
+
+
+def int_kv_cache(k_format: str, v_format: str) -> type[IntKVCache]:
+    """The cache class of one (K, V) pair of integer formats."""
+    for f in (k_format, v_format):
+        if f not in INT_FORMATS:
+            raise ValueError(f"integer KV formats are {sorted(INT_FORMATS)}, got {f!r}")
+    return type(f"IntKVCache_{k_format}_{v_format}", (IntKVCache,), {"formats": (k_format, v_format)})

@@ -108,16 +108,15 @@ def test_silu_and_mul(ops):
     torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :50]) * x[:, 50:])
 
 
-@pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q8_0/q4_0"])
 def test_paged_attention_reads_every_pool_dtype(ops, kv):
     """Decode rows and a mid-sequence chunk over scattered blocks, against gather + SDPA on the
     same stored (rounded / quantized) values."""
+    from pagedllm.engine.kv_sizing import kv_storage
     from pagedllm.model_executor.attention import build_mask
-    from pagedllm.model_executor.kv_cache import KVCache
-    from pagedllm.model_executor.kv_quant import FP8_DTYPES, FP8KVCache
 
     g = torch.Generator().manual_seed(0)
-    cls, dt = (FP8KVCache, FP8_DTYPES[kv]) if kv.startswith("fp8") else (KVCache, getattr(torch, kv))
+    dt, cls = kv_storage(kv, torch.float32)
     cache = cls(12, 16, 2, 64, dt, torch.float32)
     table = torch.tensor([[7, 2, 9], [4, 11, 0]])  # two sequences, 40 and 33 tokens
     lens = [40, 33]

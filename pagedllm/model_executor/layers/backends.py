@@ -134,11 +134,11 @@ class CpuKernels(_QKNorm):
         return cached[2](h, ids, weights)  # every row on the integer dot: batch-invariant
 
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
-        """The op reads fp32, bf16 and fp8 pools in place; a bf16 pool's prefills go to its chunk kernel (bf16
-        dot products) where the tiles fit: head dims of whole 8s, at most 48 query heads a KV head."""
-        from ..kv_quant import FP8KVCache
+        """The op reads fp32, bf16, fp8 and q8_0 / q4_0 pools in place; a bf16 pool's prefills go to its chunk
+        kernel (bf16 dot products) where the tiles fit: head dims of whole 8s, at most 48 query heads a KV head."""
+        from ..kv_quant import FP8KVCache, IntKVCache
 
-        if cache.k.dtype not in (torch.float32, torch.bfloat16) and not isinstance(cache, FP8KVCache):
+        if cache.k.dtype not in (torch.float32, torch.bfloat16) and not isinstance(cache, (FP8KVCache, IntKVCache)):
             return None, False
         chunk = not cache.lossy and cache.k.dtype == torch.bfloat16 and head_dim % 8 == 0 and heads_per_kv <= 48
         return self.ops.paged_attention, chunk

@@ -1,7 +1,10 @@
 // Attention that reads K/V straight from the paged pool (no gathered copy of the context).
 //
 // Layout: the pool of a layer is [NB, BS, KVH, D] for K and for V (fp32, bf16 bits, or fp8 bits with a
-// bf16 scale per slot and KV head); query rows are [T, H, D] fp32, heads contiguous. Query row r of
+// bf16 scale per slot and KV head), or [NB, BS, KVH, D / 32 x bytes] of llama.cpp's q8_0 (34 bytes: an fp16
+// scale, 32 int8) or q4_0 (18: the scale, 16 bytes of nibble pairs) blocks, K and V each in its own format
+// (a uint8 pool's last dimension says which: D fp8, D / 32 x 34 q8_0, D / 32 x 18 q4_0); query rows are
+// [T, H, D] fp32, heads contiguous. Query row r of
 // sequence s attends to keys [lo, hi): hi = ctx_len - q_len + i + 1 (causal, i = r's index in its
 // chunk), lo = hi - window when a sliding window is set.
 //
@@ -26,7 +29,7 @@
 //
 // ISA: GCC vector extensions of 16 floats, so one code path compiles to AVX-512 where -march=native
 // has it and to pairs of AVX2 (or SSE) registers elsewhere; bf16 is widened by a 16-bit shift, fp8
-// through a 256-entry table. Head dims that are not a multiple of 16 go through zero-padded buffers.
+// through a 256-entry table, q8_0 / q4_0 by converting 16 int8 (or nibbles less 8) at a time, times the scale. Head dims that are not a multiple of 16 go through zero-padded buffers.
 // Without AVX-512 (16 ymm registers, which those tiles overflow), an fp32 pool with D in {32, 64, 128, 256}
 // runs attend_item_f32_avx2: the same math in tiles sized for AVX2.
 // With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128} runs attend_item_bf16 instead: vdpbf16ps on the
@@ -63,6 +66,21 @@ using vec::store16;
 using vec::v16f;
 using vec::v16h;
 using vec::v16u;
+
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+                    : e == 31 ? (m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity())
+                              : std::ldexp(static_cast<float>(m | 0x400), static_cast<int>(e) - 25);
+  return h & 0x8000 ? -mag : mag;
+#endif
+}
 
 inline float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -102,8 +120,8 @@ inline v16f tile_scores(int cnt, Dot&& dot) {
 // caller zeroed)
 struct Pool {
   const void* data;
-  int dtype;  // 0 fp32, 1 bf16, 2 fp8
-  int64_t row_stride, kvh, d;
+  int dtype;  // 0 fp32, 1 bf16, 2 fp8, 3 q8_0, 4 q4_0
+  int64_t row_stride, kvh, d;  // row_stride: elements of a slot row (bytes for uint8 pools)
   const float* lut = nullptr;       // fp8: [256] bit pattern -> value
   const uint16_t* scale = nullptr;  // fp8: [NB * BS, KVH] bf16
 
@@ -130,10 +148,33 @@ struct Pool {
             store16(dst + 16 * c, f);
           }
         }
-      } else {
+      } else if (dtype == 2) {
         const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * d;
         const float sc = bf16_to_float(scale[slot * kvh + kh]);
         for (int64_t i = 0; i < d; ++i) dst[i] = lut[src[i]] * sc;
+      } else {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32)
+        const int64_t bb = dtype == 3 ? 34 : 18;
+        const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * (d / 32) * bb;
+        for (int64_t b = 0; b < d / 32; ++b) {
+          const uint8_t* blk = src + b * bb;
+          uint16_t hs;
+          std::memcpy(&hs, blk, sizeof(hs));
+          const float sc = half_to_float(hs);
+          for (int c = 0; c < 2; ++c) {
+            v16f f;
+            if (dtype == 3) {
+              v16c x;
+              std::memcpy(&x, blk + 2 + 16 * c, sizeof(x));
+              f = __builtin_convertvector(x, v16f);
+            } else {
+              v16b x;
+              std::memcpy(&x, blk + 2, sizeof(x));
+              const v16b n = c ? v16b(x >> 4) : v16b(x & 15);  // values 16-31 in the high nibbles
+              f = __builtin_convertvector(n, v16f) - 8.f;
+            }
+            store16(dst + 32 * b + 16 * c, f * sc);
+          }
+        }
       }
     }
     return buf;
@@ -665,20 +706,27 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: K and V pools must be contiguous and of one dtype");
   const auto dt = k_cache.scalar_type();
-  const bool fp8 = dt == torch::kUInt8;
-  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || fp8,
-              "paged_attention: the pool must be float32, bfloat16 or fp8 (as uint8)");
+  TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16 || dt == torch::kUInt8,
+              "paged_attention: the pool must be float32, bfloat16, or fp8 / q8_0 / q4_0 (as uint8)");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
               "paged_attention: q and out must be fp32, out contiguous");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), MAXB = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "paged_attention: q rows must hold their heads contiguously");
-  TORCH_CHECK(H % KVH == 0 && k_cache.size(3) == D, "paged_attention: heads and pool do not match");
+  auto format_of = [&](const torch::Tensor& pool) {  // a uint8 pool's row length says its format
+    const int64_t n = pool.size(3);
+    if (dt != torch::kUInt8) return n == D ? (dt == torch::kBFloat16 ? 1 : 0) : -1;
+    return n == D ? 2 : D % 32 == 0 && n == D / 32 * 34 ? 3 : D % 32 == 0 && n == D / 32 * 18 ? 4 : -1;
+  };
+  const int dtype = format_of(k_cache), vtype = format_of(v_cache);
+  TORCH_CHECK(H % KVH == 0 && dtype >= 0 && vtype >= 0 && v_cache.size(2) == KVH,
+              "paged_attention: heads and pool do not match");
+  const bool fp8 = dtype == 2 || vtype == 2;
   const ItemFn own = dt == torch::kBFloat16 ? pick_bf16(D, H / KVH) : dt == torch::kFloat32 ? pick_f32(D) : nullptr;
   const ItemFn fn = own ? own : pick_kernel(D, H / KVH);
   TORCH_CHECK(fn != nullptr, "paged_attention: head_dim ", D, " is not supported (at most 128, or 256)");
-  const int dtype = fp8 ? 2 : dt == torch::kBFloat16 ? 1 : 0;
-  Pool K{k_cache.data_ptr(), dtype, KVH * D, KVH, D}, V{v_cache.data_ptr(), dtype, KVH * D, KVH, D};
+  Pool K{k_cache.data_ptr(), dtype, KVH * k_cache.size(3), KVH, D};
+  Pool V{v_cache.data_ptr(), vtype, KVH * v_cache.size(3), KVH, D};
   if (fp8) {
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && lut.has_value() && lut->numel() == 256 &&
                     k_scale->scalar_type() == torch::kBFloat16 && k_scale->is_contiguous() && v_scale->is_contiguous(),
