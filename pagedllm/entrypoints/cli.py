@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         m.add_argument("--model", default=None, help="HF folder, .gguf file or config.json (default: SmolLM2-135M)")
         m.add_argument("--preset", default=None, help="seed-7b | seed-13b | smollm2-135m")
         x.add_argument("--kv-dtype", default="float16",
-                       choices=["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+                       help="float32 | bfloat16 | float16 | fp8_e4m3 | fp8_e5m2 | q8_0 | q4_0, or K/V integer formats: "
+                            "q8_0/q4_0")
         x.add_argument("--block-size", type=int, default=16)
         x.add_argument("--max-model-len", type=int, default=None)
         x.add_argument("--json", nargs="?", const=True, default=None)

@@ -18,6 +18,7 @@ from ..core.kv_spec import KVSpec, plan_kv_layout
 from ..model_executor.layers.formats import FORMATS
 
 KV_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
+INT_KV_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # per 32 values of a head: an fp16 scale, then the values
 FP8_SCALE_BYTES = 2  # one bf16 scale per token and kv head (see kv_quant.py)
 
 
@@ -141,10 +142,26 @@ def load_shape(model: str | None = None, preset: str | None = None) -> ModelShap
     return shape_from_hf_config(json.loads(cfg_path.read_text()), p.name if p.is_dir() else p.parent.name)
 
 
+def _head_bytes(fmt: str, head_dim: int) -> float:
+    """One K or V head vector of one token: q8_0 / q4_0 blocks of 32 values, or dtype bytes (+ fp8's scale)."""
+    if fmt in INT_KV_BLOCK_BYTES:
+        return -(-head_dim // 32) * INT_KV_BLOCK_BYTES[fmt]
+    return head_dim * KV_DTYPE_BYTES[fmt] + (FP8_SCALE_BYTES if fmt.startswith("fp8") else 0)
+
+
+def check_kv_dtype(kv_dtype: str) -> None:
+    k, _, v = kv_dtype.partition("/")
+    ok = k in KV_DTYPE_BYTES or k in INT_KV_BLOCK_BYTES if not v else k in INT_KV_BLOCK_BYTES and v in INT_KV_BLOCK_BYTES
+    if not ok:
+        raise ValueError(f"kv dtype must be one of {sorted(KV_DTYPE_BYTES) + sorted(INT_KV_BLOCK_BYTES)} or K/V "
+                         f"integer formats such as q8_0/q4_0, got {kv_dtype!r}")
+
+
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
-    per_elem = KV_DTYPE_BYTES[kv_dtype]
-    per_head = shape.head_dim * per_elem + (FP8_SCALE_BYTES if kv_dtype.startswith("fp8") else 0)
-    return int(2 * (shape.num_layers - shape.state_layers) * shape.num_kv_heads * per_head)
+    """kv_dtype: one format for K and V, or "K/V" integer formats (q8_0/q4_0)."""
+    k, _, v = kv_dtype.partition("/")
+    per_head = _head_bytes(k, shape.head_dim) + _head_bytes(v or k, shape.head_dim)
+    return int((shape.num_layers - shape.state_layers) * shape.num_kv_heads * per_head)
 
 
 def kv_bytes_per_sequence(shape: ModelShape, kv_dtype: str, num_tokens: int, block_size: int,
@@ -209,8 +226,7 @@ def plan(shape: ModelShape, memory: str | int, kv_dtype: str = "float16", block_
          weight_format: str | None = None) -> Plan:
     """weight_format: the weights' storage format (f32, bf16, q8_0, q4_0, q4_k, ...): parameters x its
     bytes per weight; default: as deployed (a GGUF's own formats; the presets' fp16), else 2 bytes."""
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"kv dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
+    check_kv_dtype(kv_dtype)
     max_len = max_model_len or shape.max_model_len
     mem = parse_size(memory)
     if weights_memory is not None:

@@ -44,6 +44,11 @@ def test_gqa_and_fp8_arithmetic():
     assert kv_bytes_per_token(shape, "float32") == 2 * 30 * 3 * 64 * 4  # kv heads, not hidden
     assert kv_bytes_per_token(shape, "bfloat16") == 2 * 30 * 3 * 64 * 2
     assert kv_bytes_per_token(shape, "fp8_e4m3") == 2 * 30 * 3 * (64 + 2)  # + bf16 scale per head
+    # two 32-value blocks a head: an fp16 scale + 32 int8 (q8_0) or 16 bytes of nibbles (q4_0)
+    assert kv_bytes_per_token(shape, "q8_0") == 2 * 30 * 3 * 2 * 34
+    assert kv_bytes_per_token(shape, "q8_0/q4_0") == 30 * 3 * 2 * (34 + 18)
+    with pytest.raises(ValueError, match="K/V integer formats"):
+        plan(shape, "8GB", "bfloat16/q4_0")
 
 
 def test_plan_cli_json_and_model_sources(tiny_models):
