@@ -149,8 +149,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     if p is not None:
         n = p.num_rows
         k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
-        meta.op(out[:n], q[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
+        qn = cache.rotate(q[:n]) if cache.rotated else q[:n]  # a rotated pool: (q R).(k R) = q.k
+        meta.op(out[:n], qn, k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
                 p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
+        if cache.rotated:  # sum p (v R) = (sum p v) R
+            out[:n] = cache.rotate(out[:n])
     elif meta.num_decodes:
         nd = meta.num_decodes
         kc, vc = cache.gather(meta.decode_block_tables)  # [B, L, KVH, D]

@@ -9,6 +9,7 @@ class KVCache:
     """K and V pools `[num_blocks, block_size, num_kv_heads, head_dim]`."""
 
     lossy = False
+    rotated = False  # the pool holds heads times an orthogonal matrix (kv_quant.IntKVCache.rotate)
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype) -> None:

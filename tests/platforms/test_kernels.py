@@ -127,8 +127,11 @@ def test_paged_attention_reads_every_pool_dtype(ops, kv):
     q = torch.randn(6, 8, 64, generator=g)
     out = torch.empty_like(q)
     k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
-    ops.paged_attention(out, q, k_pool, v_pool, table, torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 5]),
-                        torch.tensor([5, 1]), torch.tensor(lens), 0.125, 0, k_scale, v_scale, lut)
+    ops.paged_attention(out, cache.rotate(q) if cache.rotated else q, k_pool, v_pool, table,
+                        torch.tensor([0, 0, 0, 0, 0, 1]), torch.tensor([0, 5]), torch.tensor([5, 1]),
+                        torch.tensor(lens), 0.125, 0, k_scale, v_scale, lut)
+    if cache.rotated:  # q8_0 / q4_0 pools hold heads x R, R R = I: the op's q.k and its output in that basis
+        out = cache.rotate(out)
     k, v = cache.gather(table)  # [2, 48, KVH, D] in fp32
     for s, (rows, n) in enumerate(((slice(0, 5), 40), (slice(5, 6), 33))):
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
