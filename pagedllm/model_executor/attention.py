@@ -176,6 +176,9 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
         q, k, v = qkv.split([num_heads * d, kvh * d, kvh * d], dim=-1)
         return q.view(t, num_heads, d), k.view(t, kvh, d), v.view(t, kvh, d)
 
+    if meta.op is not None and cache.rotated:
+        ops.rope_(qkv, cos, sin, num_heads + kvh, d)
+        return _attend_rotated(ops, qkv, heads(), cache, meta, scale, sinks)
     if meta.op is None or cache.lossy:
         ops.rope_(qkv, cos, sin, num_heads + kvh, d)
         return paged_attention(*heads(), cache, meta, scale, sinks)
@@ -187,6 +190,30 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
                             meta.sliding_window or 0, *chunks, sinks)
     if meta.prefills and c is None:
         _attend_prefills(*heads(), cache, meta, scale, out, sinks)
+    return out
+
+
+def _attend_rotated(ops: Ops, qkv: torch.Tensor, heads: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cache: KVCache,
+                    meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """paged_attention over a rotated integer pool with the C++ ops: q, k and v rotated by one product, k and v
+    quantized into the pool by the op (kv_quant.cpp, quantize_int's bytes), the paged rows attended in that basis
+    and rotated back; prompts as paged_attention's. qkv [T, (H + 2 KVH) D] after rope; heads: its views q [T, H, D],
+    k and v [T, KVH, D]."""
+    q, k, v = heads
+    h, kvh = q.shape[1], k.shape[1]
+    rot = cache.rotate(qkv.reshape(q.shape[0], h + 2 * kvh, -1))  # [T, H + 2 KVH, D]
+    qr, kr, vr = rot.split([h, kvh, kvh], 1)
+    ops.quantize_kv_(cache.k, meta.slot_mapping, kr)
+    ops.quantize_kv_(cache.v, meta.slot_mapping, vr)
+    out = torch.empty_like(q)
+    p = meta.paged
+    if p is not None:
+        n = p.num_rows
+        k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+        meta.op(out[:n], qr[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
+                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
+        out[:n] = cache.rotate(out[:n])  # sum p (v R) = (sum p v) R
+    _attend_prefills(q, k, v, cache, meta, scale, out, sinks)
     return out
 
 

@@ -84,6 +84,7 @@ class Ops:
     repack_ggml: object
     mask_rows_: object
     shared_prefix_groups: object
+    quantize_kv_: object
     MoeExperts: type  # the extension's class, as it names it
 
 
@@ -177,7 +178,8 @@ def _staged(sources: list[Path], where: Path) -> list[Path]:
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "ops.cpp", _CSRC / "attention.cpp", _CSRC / "attention_chunks.cpp", _CSRC / "linear_bf16.cpp",
-            _CSRC / "linear_ggml.cpp", _CSRC / "linear_x16.cpp", _CSRC / "mask_rows.cpp", _CSRC / "moe.cpp"]
+            _CSRC / "linear_ggml.cpp", _CSRC / "linear_x16.cpp", _CSRC / "mask_rows.cpp", _CSRC / "moe.cpp",
+            _CSRC / "kv_quant.cpp"]
 
 
 def ops_build_dir(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -194,7 +196,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16,
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.MoeExperts)
+               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts)
 
 
 @cache  # one build per process: the compiled library never changes once loaded

@@ -507,3 +507,26 @@ def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path)
     finally:
         elsewhere.kill()
         leftover.kill()
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantize_kv_writes_quantize_int_bytes_at_the_slots(ops, fmt):
+    """The C++ write of integer KV rows against kv_quant.quantize_int (ggml's quantizers bit for bit), rows of
+    every magnitude, a zero block, an outlier, a block of one sign; other slots untouched."""
+    from pagedllm.model_executor.kv_quant import INT_FORMATS, quantize_int
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 3, 64, generator=g) * torch.rand(300, 3, 1, generator=g) * 10
+    x[0, 0, :32] = 0
+    x[1, 1, 5] = 1e4
+    x[2, 2] = -x[2, 2].abs()
+    pool = torch.full((40, 16, 3, 2 * INT_FORMATS[fmt]), 7, dtype=torch.uint8)
+    slots = torch.randperm(640, generator=g)[:300]
+    ops.quantize_kv_(pool, slots, x[:, :, :].contiguous())
+    rows = pool.view(640, 3, -1)
+    assert torch.equal(rows[slots], quantize_int(x, fmt))
+    others = torch.ones(640, dtype=torch.bool)
+    others[slots] = False
+    assert bool((rows[others] == 7).all())
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.quantize_kv_(pool, torch.tensor([640]), x[:1])

@@ -1,8 +1,8 @@
 // CPU kernels for the fp32 hot paths: a linear over panel-packed weights (its micro-kernel and ISA paths:
 // f32_tile.h), fused RMSNorm (+ residual
 // add), rotary embedding, silu_and_mul, and a row argmax; the Python bindings of every op (attention:
-// attention.cpp, other weight formats: linear_bf16.cpp / linear_ggml.cpp / linear_x16.cpp, experts: moe.cpp, grammar
-// masks: mask_rows.cpp).
+// attention.cpp, integer KV writes: kv_quant.cpp, other weight formats: linear_bf16.cpp / linear_ggml.cpp /
+// linear_x16.cpp, experts: moe.cpp, grammar masks: mask_rows.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -12,6 +12,7 @@
 
 #include "attention.h"
 #include "f32_tile.h"
+#include "kv_quant.h"
 #include "linear_bf16.h"
 #include "linear_ggml.h"
 #include "mask_rows.h"
@@ -119,6 +120,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_rows_", &mask_rows_, "logits[r, t] = -inf where bit t of bitmask[r] is clear, rows in place (fp32, CPU)");
+  m.def("quantize_kv_", &quantize_kv_, "rows [T, KVH, D] quantized into a q8_0 / q4_0 pool at slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally after residual += x (fp32, CPU)");
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
