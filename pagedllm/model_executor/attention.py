@@ -9,7 +9,8 @@ every sequence attends over its own blocks. The rows of a step are ordered:
    context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
 2. prefills: fresh prompts (nothing cached before them) and long mid-sequence chunks. Over a bf16 pool
    with the C++ op, one call attends them all on bf16 dot products, K/V read from the pool (q and p
-   rounded to bf16, as the op's paged rows do for that pool). Otherwise SDPA: fresh prompts on their
+   rounded to bf16, as the op's paged rows do for that pool); over a q8_0 / q4_0 pool the same call, the
+   blocks widened and rounded to bf16 as it gathers them. Otherwise SDPA: fresh prompts on their
    own new K/V, chunks on their gathered blocks.
 """
 
@@ -49,7 +50,7 @@ class PagedRows:
 
 @dataclass
 class ChunkRows:
-    """Prefill chunks (meta.prefills) for the C++ chunk kernel of a bf16 pool."""
+    """Prefill chunks (meta.prefills) for the C++ chunk kernel of a bf16 or integer pool."""
 
     block_tables: torch.Tensor  # [P, max_blocks] int64
     q_start: torch.Tensor  # [P]
@@ -72,7 +73,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] (torch path)
     prefills: list[PrefillSeq] = field(default_factory=list)
     paged: PagedRows | None = None  # set when the C++ op serves the paged rows
-    chunks: ChunkRows | None = None  # set when the C++ op serves the prefills too (bf16 pools)
+    chunks: ChunkRows | None = None  # set when the C++ chunk kernel serves the prefills (bf16, integer pools)
     sliding_window: int | None = None
     op: Callable | None = None
     decode_ctx_lens: list[int] = field(default_factory=list)  # the decodes' context lengths (torch path's masks)
@@ -197,7 +198,8 @@ def _attend_rotated(ops: Ops, qkv: torch.Tensor, heads: tuple[torch.Tensor, torc
                     meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """paged_attention over a rotated integer pool with the C++ ops: q, k and v rotated by one product, k and v
     quantized into the pool by the op (kv_quant.cpp, quantize_int's bytes), the paged rows attended in that basis
-    and rotated back; prompts as paged_attention's. qkv [T, (H + 2 KVH) D] after rope; heads: its views q [T, H, D],
+    and rotated back; prompts by the chunk kernel where the metadata has chunks (in the same basis), else as
+    paged_attention's. qkv [T, (H + 2 KVH) D] after rope; heads: its views q [T, H, D],
     k and v [T, KVH, D]."""
     q, k, v = heads
     h, kvh = q.shape[1], k.shape[1]
@@ -213,7 +215,14 @@ def _attend_rotated(ops: Ops, qkv: torch.Tensor, heads: tuple[torch.Tensor, torc
         meta.op(out[:n], qr[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
                 p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
         out[:n] = cache.rotate(out[:n])  # sum p (v R) = (sum p v) R
-    _attend_prefills(q, k, v, cache, meta, scale, out, sinks)
+    c = meta.chunks
+    if c is not None:  # every row after the paged ones: the chunk kernel widens the blocks it gathers
+        n = p.num_rows if p is not None else 0
+        ops.attend_chunks(out, qr, cache.k, cache.v, c.block_tables, c.q_start, c.q_len, c.ctx_len, scale,
+                          meta.sliding_window or 0, c.scratch, sinks)
+        out[n:] = cache.rotate(out[n:])
+    else:
+        _attend_prefills(q, k, v, cache, meta, scale, out, sinks)
     return out
 
 

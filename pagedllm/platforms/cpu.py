@@ -87,6 +87,12 @@ class Ops:
     quantize_kv_: object
     MoeExperts: type  # the extension's class, as it names it
 
+    @property
+    def native_bf16(self) -> bool:
+        """Whether the bf16 kernels run on the CPU's own bf16 dot products (AMX-BF16 or AVX512-BF16), not on
+        widened fp32 FMAs."""
+        return self.linear_bf16_isa in ("amx_bf16", "avx512_bf16")
+
 
 def cpu_isa_flags() -> str:
     """The CPU's feature flags as the kernel reports them (what -march=native compiles for)."""
@@ -218,7 +224,7 @@ def auto_dtype() -> tuple[torch.dtype, str]:
         return torch.float32, "no C++ kernels"
     if ops.linear_bf16_isa == "amx_bf16":
         return torch.bfloat16, "this CPU has AMX-BF16 tiles (and AVX512-BF16 dot products for small batches)"
-    if ops.linear_bf16_isa == "avx512_bf16":
+    if ops.native_bf16:
         return torch.bfloat16, "this CPU has AVX512-BF16 dot products"
     return torch.float32, f"no native bf16 dot products on this CPU (bf16 kernel path: {ops.linear_bf16_isa})"
 

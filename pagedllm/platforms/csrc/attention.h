@@ -30,7 +30,7 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
                             c10::optional<torch::Tensor> chunk_scratch, c10::optional<torch::Tensor> sinks);
 
-// Prefill chunks over a bf16 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i] rows from
+// Prefill chunks over a bf16 or q8_0 / q4_0 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i] rows from
 // q_start[i] are the last of its ctx_len[i] positions, its keys in the blocks of block_tables[i]; writes
 // those rows of out [T, H, D]. scratch: a uint8 tensor the op grows to what it needs and leaves so (pass the
 // same one to every layer of a step: its pages are touched once)

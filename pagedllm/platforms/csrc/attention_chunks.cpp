@@ -1,12 +1,15 @@
-// Attention of prefill chunks (fresh prompts and long mid-sequence chunks) over a bf16 paged pool, on bf16
-// dot products: the matrix-product half of attention, where the decode op (attention.cpp) goes a row at a time.
+// Attention of prefill chunks (fresh prompts and long mid-sequence chunks) over a bf16 or q8_0 / q4_0 paged
+// pool, on bf16 dot products: the matrix-product half of attention, where the decode op (attention.cpp) goes a
+// row at a time.
 //
 // Layout: q rows [T, H, D] fp32 with heads contiguous (rows q_stride floats apart: the qkv buffer), the pool
-// [NB, BS, KVH, D] bf16 for K and for V, out [T, H, D] fp32. A chunk's q_len rows are the last of its ctx_len
+// [NB, BS, KVH, D] bf16 for K and for V, or uint8 rows of llama.cpp's q8_0 / q4_0 blocks (K and V each in its
+// own; attention.cpp's layout), out [T, H, D] fp32. A chunk's q_len rows are the last of its ctx_len
 // positions; its row i attends keys [lo, hi): hi = ctx_len - q_len + i + 1, lo = hi - window with a window.
 //
 // Once per (chunk, KV head): its K rows gathered contiguous [ctx, D] (d pairs along a row: the broadcast
-// operand of bf16::tile), its V transposed to key pairs [D, ctx / 2] (the P.V reduction runs over keys).
+// operand of bf16::tile), its V transposed to key pairs [D, ctx / 2] (the P.V reduction runs over keys); integer
+// blocks are widened there and rounded to bf16, so the products never see the pool's own format.
 // Work item = (chunk, KV head, 48 / G query rows), whose rows x the G query heads of the KV head (GQA) fill
 // the 48 lanes of bf16::tile's panel:
 //   S^T [keys, 48] = K . Q^T, 8 keys broadcast at a time against the q panel [D / 2, 48, 2] (q rounded to bf16);
@@ -24,12 +27,14 @@
 // the compiler vectorizes elsewhere); the softmax on vec16.h's 16-float vectors.
 #include "attention.h"
 #include "bf16_tile.h"
+#include "kv_quant.h"
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -196,17 +201,49 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
   }
 }
 
+// A pool's K or V heads as the products read them: bf16 rows in place; q8_0 / q4_0 blocks widened
+// (kv_quant.h) and rounded to bf16, the chunk's one copy of them
+struct Heads {
+  const uint8_t* data;
+  int fmt;  // 0 bf16, 1 q8_0, 2 q4_0
+  int64_t row_bytes, head_bytes, D;
+
+  // slot's head kh: in place, or in tmp [D] (wide [D]: room for the fp32 values)
+  const uint16_t* head(int64_t slot, int64_t kh, uint16_t* tmp, float* wide) const {
+    const uint8_t* p = data + slot * row_bytes + kh * head_bytes;
+    if (fmt == 0) return reinterpret_cast<const uint16_t*>(p);
+    dequantize_kv_head(p, fmt == 1, D, wide);
+    for (int64_t d = 0; d < D; ++d) tmp[d] = bf16::to_bf16(wide[d]);
+    return tmp;
+  }
+};
+
+// The pool's format from its dtype and row length: bf16 [.., D], or uint8 q8_0 / q4_0 [.., D / 32 x 34 | 18]
+Heads heads_of(const torch::Tensor& pool, int64_t D) {
+  const int64_t n = pool.size(3), kvh = pool.size(2);
+  const auto* data = static_cast<const uint8_t*>(pool.data_ptr());
+  if (pool.scalar_type() == torch::kBFloat16 && n == D) return Heads{data, 0, kvh * D * 2, D * 2, D};
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && D % 32 == 0 && (n == D / 32 * 34 || n == D / 32 * 18),
+              "attend_chunks: a pool must be bf16, or q8_0 / q4_0 blocks of the query's head_dim");
+  return Heads{data, n == D / 32 * 34 ? 1 : 2, kvh * n, n, D};
+}
+
 // One (chunk, KV head)'s keys [0, ctx): K rows gathered into kd [ctx + kPad, D], V as key pairs into vd [D, ldv]
-void gather(const uint16_t* kpool, const uint16_t* vpool, const int64_t* table, int64_t BS, int64_t row, int64_t kh,
-            int64_t D, int64_t ctx, uint16_t* kd, uint32_t* vd, int64_t ldv) {
+void gather(const Heads& K, const Heads& V, const int64_t* table, int64_t BS, int64_t kh, int64_t D, int64_t ctx,
+            uint16_t* kd, uint32_t* vd, int64_t ldv) {
   const int64_t pairs = (ctx + 1) / 2;
-  auto slot_row = [&](const uint16_t* pool, int64_t t) { return pool + (table[t / BS] * BS + t % BS) * row + kh * D; };
-  for (int64_t t = 0; t < ctx; ++t) std::memcpy(kd + t * D, slot_row(kpool, t), D * sizeof(uint16_t));
+  std::vector<uint16_t> tmp(2 * D);
+  std::vector<float> wide(D);
+  auto slot = [&](int64_t t) { return table[t / BS] * BS + t % BS; };
+  for (int64_t t = 0; t < ctx; ++t) {
+    const uint16_t* k = K.head(slot(t), kh, kd + t * D, wide.data());
+    if (k != kd + t * D) std::memcpy(kd + t * D, k, D * sizeof(uint16_t));
+  }
   std::fill(kd + ctx * D, kd + (ctx + kPad) * D, uint16_t{0});
   for (int64_t d = 0; d < D; ++d) std::fill(vd + d * ldv + pairs, vd + (d + 1) * ldv, 0u);
   for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* v0 = slot_row(vpool, 2 * p);
-    const uint16_t* v1 = 2 * p + 1 < ctx ? slot_row(vpool, 2 * p + 1) : nullptr;
+    const uint16_t* v0 = V.head(slot(2 * p), kh, tmp.data(), wide.data());
+    const uint16_t* v1 = 2 * p + 1 < ctx ? V.head(slot(2 * p + 1), kh, tmp.data() + D, wide.data()) : nullptr;
     for (int64_t d = 0; d < D; ++d)
       vd[d * ldv + p] = static_cast<uint32_t>(v0[d]) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
   }
@@ -217,19 +254,19 @@ void gather(const uint16_t* kpool, const uint16_t* vpool, const int64_t* table, 
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
                    double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16 &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "attend_chunks: the pools must be contiguous bf16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "attend_chunks: the pools must be contiguous [NB, BS, KVH, row]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
               "attend_chunks: q and out must be fp32, out contiguous");
   const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2), MAXB = block_tables.size(1);
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D, "attend_chunks: q rows must hold their heads contiguously");
-  TORCH_CHECK(H % KVH == 0 && H / KVH <= NL && k_cache.size(3) == D, "attend_chunks: heads and pool do not match");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= NL && v_cache.size(2) == KVH, "attend_chunks: heads and pool do not match");
   TORCH_CHECK(D % KT == 0, "attend_chunks: head_dim must be a multiple of ", KT);
   TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H),
               "attend_chunks: sinks must be fp32 [H]");
   const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
-  const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0), row = KVH * D;
+  const Heads K = heads_of(k_cache, D), V = heads_of(v_cache, D);
+  const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
@@ -264,14 +301,12 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   uint16_t* kbuf = reinterpret_cast<uint16_t*>(base);
   uint32_t* vbuf = reinterpret_cast<uint32_t*>(base + koff.back() * 2);
   float* work = reinterpret_cast<float*>(base + (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64);
-  const uint16_t* kpool = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const uint16_t* vpool = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = v_ld(ctx);
       uint16_t* kd = kbuf + koff[i];
       uint32_t* vd = vbuf + voff[i];
-      gather(kpool, vpool, bt + s * MAXB, BS, row, kh, D, ctx, kd, vd, ldv);
+      gather(K, V, bt + s * MAXB, BS, kh, D, ctx, kd, vd, ldv);
       chunks[i] = Chunk{bt + s * MAXB, qs[s], ql[s], ctx, kd, vd, ldv};
     }
   });
@@ -297,11 +332,10 @@ int64_t shared_work_floats(int64_t P, int64_t D) { return work_floats(P, D); }
 
 SharedKeys gather_shared_keys(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* table,
                               int64_t kh, int64_t P, void* buf) {
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3), ldv = v_ld(P);
+  const int64_t BS = k_cache.size(1), D = k_cache.size(3), ldv = v_ld(P);
   uint16_t* kd = static_cast<uint16_t*>(buf);
   uint32_t* vd = reinterpret_cast<uint32_t*>(kd + (P + kPad) * D);
-  gather(reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
-         table, BS, KVH * D, kh, D, P, kd, vd, ldv);
+  gather(heads_of(k_cache, D), heads_of(v_cache, D), table, BS, kh, D, P, kd, vd, ldv);
   return SharedKeys{kd, vd, P, ldv};
 }
 

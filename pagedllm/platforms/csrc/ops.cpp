@@ -138,7 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sinks") = py::none());
   m.def("shared_prefix_groups", &shared_prefix_groups, "the (shared keys, rows) groups paged_attention forms over a "
         "bf16 pool");
-  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 paged pool on bf16 dot products (CPU)",
+  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 or q8_0 / q4_0 paged pool on bf16 dot products (CPU)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("scale"), py::arg("window"),
         py::arg("scratch"), py::arg("sinks") = py::none());
