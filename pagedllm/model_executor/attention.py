@@ -149,10 +149,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     p = meta.paged
     if p is not None:
         n = p.num_rows
-        k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
-        qn = cache.rotate(q[:n]) if cache.rotated else q[:n]  # a rotated pool: (q R).(k R) = q.k
-        meta.op(out[:n], qn, k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
-                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
+        _attend_paged_rows(cache.rotate(q[:n]) if cache.rotated else q[:n], cache, meta, scale, out, sinks)
         if cache.rotated:  # sum p (v R) = (sum p v) R
             out[:n] = cache.rotate(out[:n])
     elif meta.num_decodes:
@@ -208,22 +205,28 @@ def _attend_rotated(ops: Ops, qkv: torch.Tensor, heads: tuple[torch.Tensor, torc
     ops.quantize_kv_(cache.k, meta.slot_mapping, kr)
     ops.quantize_kv_(cache.v, meta.slot_mapping, vr)
     out = torch.empty_like(q)
-    p = meta.paged
-    if p is not None:
-        n = p.num_rows
-        k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
-        meta.op(out[:n], qr[:n], k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len,
-                p.ctx_len, scale, meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
+    n = meta.paged.num_rows if meta.paged is not None else 0
+    if n:
+        _attend_paged_rows(qr[:n], cache, meta, scale, out, sinks)
         out[:n] = cache.rotate(out[:n])  # sum p (v R) = (sum p v) R
     c = meta.chunks
     if c is not None:  # every row after the paged ones: the chunk kernel widens the blocks it gathers
-        n = p.num_rows if p is not None else 0
         ops.attend_chunks(out, qr, cache.k, cache.v, c.block_tables, c.q_start, c.q_len, c.ctx_len, scale,
                           meta.sliding_window or 0, c.scratch, sinks)
         out[n:] = cache.rotate(out[n:])
     else:
         _attend_prefills(q, k, v, cache, meta, scale, out, sinks)
     return out
+
+
+def _attend_paged_rows(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                       sinks: torch.Tensor | None) -> None:
+    """The C++ op over the pool for the paged rows, q [n, H, D] in the pool's basis (q R for a rotated pool),
+    into out[:n]."""
+    p = meta.paged
+    k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+    meta.op(out[:p.num_rows], q, k_pool, v_pool, p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len, scale,
+            meta.sliding_window or 0, k_scale, v_scale, lut, sinks)
 
 
 def _attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,

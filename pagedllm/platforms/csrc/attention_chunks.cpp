@@ -27,7 +27,7 @@
 // the compiler vectorizes elsewhere); the softmax on vec16.h's 16-float vectors.
 #include "attention.h"
 #include "bf16_tile.h"
-#include "kv_quant.h"
+#include "ggml_blocks.h"
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
@@ -202,7 +202,7 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
 }
 
 // A pool's K or V heads as the products read them: bf16 rows in place; q8_0 / q4_0 blocks widened
-// (kv_quant.h) and rounded to bf16, the chunk's one copy of them
+// (ggml_blocks.h: a head is a row of ggml's Q8_0 / Q4_0 blocks) and rounded to bf16, the chunk's one copy of them
 struct Heads {
   const uint8_t* data;
   int fmt;  // 0 bf16, 1 q8_0, 2 q4_0
@@ -212,7 +212,7 @@ struct Heads {
   const uint16_t* head(int64_t slot, int64_t kh, uint16_t* tmp, float* wide) const {
     const uint8_t* p = data + slot * row_bytes + kh * head_bytes;
     if (fmt == 0) return reinterpret_cast<const uint16_t*>(p);
-    dequantize_kv_head(p, fmt == 1, D, wide);
+    fmt == 1 ? ggml::dequantize_row<ggml::Q8_0>(p, D, wide) : ggml::dequantize_row<ggml::Q4_0>(p, D, wide);
     for (int64_t d = 0; d < D; ++d) tmp[d] = bf16::to_bf16(wide[d]);
     return tmp;
   }
@@ -232,8 +232,9 @@ Heads heads_of(const torch::Tensor& pool, int64_t D) {
 void gather(const Heads& K, const Heads& V, const int64_t* table, int64_t BS, int64_t kh, int64_t D, int64_t ctx,
             uint16_t* kd, uint32_t* vd, int64_t ldv) {
   const int64_t pairs = (ctx + 1) / 2;
-  std::vector<uint16_t> tmp(2 * D);
-  std::vector<float> wide(D);
+  const bool widen = K.fmt != 0 || V.fmt != 0;  // bf16 pools are read in place: no buffers
+  std::vector<uint16_t> tmp(widen ? 2 * D : 0);
+  std::vector<float> wide(widen ? D : 0);
   auto slot = [&](int64_t t) { return table[t / BS] * BS + t % BS; };
   for (int64_t t = 0; t < ctx; ++t) {
     const uint16_t* k = K.head(slot(t), kh, kd + t * D, wide.data());

@@ -8,6 +8,7 @@
 //   quants(blk, c, q):    its 32 quants as bytes (scalar, every CPU);
 //   quants256(blk, c):    the same in one AVX2 register (where the CPU has AVX2);
 //   quants512(b0, c0, b1, c1): chunks g and g + 1 (c0 of block b0, c1 of b1) in one AVX-512 register.
+// dequantize_row<F>: a row of any of them as fp32 (llama.cpp's q8_0 / q4_0 KV blocks are Q8_0 / Q4_0 rows too).
 #pragma once
 #include <immintrin.h>
 #include <algorithm>
@@ -330,5 +331,23 @@ struct Q6_K {
   static __m512i quants512(const uint8_t* b0, int c0, const uint8_t* b1, int c1) { return pair_from_256<Q6_K>(b0, c0, b1, c1); }
 #endif
 };
+
+// A row of K weights (whole blocks of F) as fp32: w = d q + m per chunk of 32
+template <class F>
+inline void dequantize_row(const uint8_t* row, int64_t K, float* out) {
+  constexpr int CPB = F::QK / 32;
+  for (int64_t b = 0; b < K / F::QK; ++b)
+    for (int c = 0; c < CPB; ++c) {
+      float d[2], m[2];
+      uint8_t q[32];
+      F::scales(row + b * F::BYTES, c, d, m);
+      F::quants(row + b * F::BYTES, c, q);
+      float* o = out + (b * CPB + c) * 32;
+      for (int i = 0; i < 32; ++i) {
+        const float qi = F::kSigned ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
+        o[i] = d[i / 16] * qi + m[i / 16];
+      }
+    }
+}
 
 }  // namespace ggml

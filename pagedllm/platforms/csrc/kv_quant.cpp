@@ -111,19 +111,3 @@ void quantize_kv_(torch::Tensor pool, torch::Tensor slots, torch::Tensor x) {
   });
 }
 
-void dequantize_kv_head(const uint8_t* src, bool q8, int64_t D, float* dst) {
-  const int64_t bytes = q8 ? 34 : 18;
-  for (int64_t b = 0; b < D / 32; ++b, src += bytes, dst += 32) {
-    uint16_t bits;
-    std::memcpy(&bits, src, sizeof(bits));
-    const float d = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-    if (q8) {
-      for (int i = 0; i < 32; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(src[2 + i])) * d;
-    } else {
-      for (int i = 0; i < 16; ++i) {  // values 0-15 in the low nibbles, 16-31 in the high ones
-        dst[i] = static_cast<float>((src[2 + i] & 15) - 8) * d;
-        dst[16 + i] = static_cast<float>((src[2 + i] >> 4) - 8) * d;
-      }
-    }
-  }
-}

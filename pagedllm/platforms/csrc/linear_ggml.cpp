@@ -222,23 +222,6 @@ void dot_rows_best(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_
   dot_rows<F, T>(w, row_bytes, n_lo, n_hi, a, t0, bias, y, O);
 }
 
-template <class F>
-void dequantize_row(const uint8_t* row, int64_t K, float* out) {
-  constexpr int CPB = F::QK / 32;
-  for (int64_t b = 0; b < K / F::QK; ++b)
-    for (int c = 0; c < CPB; ++c) {
-      float d[2], m[2];
-      uint8_t q[32];
-      F::scales(row + b * F::BYTES, c, d, m);
-      F::quants(row + b * F::BYTES, c, q);
-      float* o = out + (b * CPB + c) * 32;
-      for (int i = 0; i < 32; ++i) {
-        const float qi = F::kSigned ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
-        o[i] = d[i / 16] * qi + m[i / 16];
-      }
-    }
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // 16 x 16 transpose of 32-bit elements: in r[i] = row i, out r[j] = column j
 inline void transpose16(__m512i* r) {
@@ -453,7 +436,7 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, con
 #endif
     for (int64_t c = 0; c < NR; ++c) {
       if (c < cols) {
-        dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
+        ggml::dequantize_row<F>(wp + (c0 + c) * row_bytes, K, row.data());
       } else {
         std::fill(row.begin(), row.end(), 0.f);
       }
@@ -472,7 +455,7 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t K) {
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) dequantize_row<F>(wp + r * row_bytes, K, op + r * K);
+    for (int64_t r = lo; r < hi; ++r) ggml::dequantize_row<F>(wp + r * row_bytes, K, op + r * K);
   });
   return out;
 }
