@@ -3,7 +3,7 @@
 No torch here: this module only does bookkeeping of block ids. It answers "can't" with None
 and leaves the decision (wait, preempt) to the scheduler.
 
-* Free queue: the free block ids in order. The head is taken first, so it is also the eviction
+* Free queue (block_pool.py): the free block ids in order. The head is taken first, so it is also the eviction
   order of cached blocks (LRU). Freed blocks that hold a cached prefix go to the tail (evicted
   last); freed blocks without a hash go to the head (reused first, since nobody can hit them).
   Blocks never used yet are a counter in the middle of that order, and their KVBlock records are
@@ -29,104 +29,13 @@ and leaves the decision (wait, preempt) to the scheduler.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
-from array import array
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
+from . import kv_map
+from .block_pool import Blocks, FreeQueue, KVBlock, hash_block
 from .kv_spec import NULL_BLOCK
 
-
-@dataclass
-class KVBlock:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: bytes | None = None
-    token_ids: tuple[int, ...] | None = None  # kept to confirm cache hits (collision guard)
-    group: int = 0  # the layer group whose tables hold it (or held it last)
-
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
-    h = hashlib.sha256(parent or b"root")
-    h.update(array("q", token_ids).tobytes())
-    if salt:
-        h.update(b"salt:" + salt.encode())
-    return h.digest()
-
-
-class FreeQueue:
-    """Free block ids in eviction order: those pushed to the front, then the never-used ids in id order, then
-    those pushed to the back. A never-used id is only taken from the head, so that run is a counter."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._front: OrderedDict[int, None] = OrderedDict()  # first key = the head
-        self._next, self._end = 0, num_blocks  # never used: ids [_next, _end)
-        self._back: OrderedDict[int, None] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._front) + self._end - self._next + len(self._back)
-
-    def __contains__(self, bid: int) -> bool:
-        return bid in self._front or bid in self._back or self._next <= bid < self._end
-
-    def __iter__(self) -> Iterator[int]:
-        yield from self._front
-        yield from range(self._next, self._end)
-        yield from self._back
-
-    def used(self) -> Iterator[int]:
-        """The free ids that were used before (the only ones that can hold a hash)."""
-        yield from self._front
-        yield from self._back
-
-    def pop_head(self) -> int:
-        if self._front:
-            return self._front.popitem(last=False)[0]
-        if self._next < self._end:
-            self._next += 1
-            return self._next - 1
-        return self._back.popitem(last=False)[0]
-
-    def push_front(self, bid: int) -> None:
-        self._front[bid] = None
-        self._front.move_to_end(bid, last=False)
-
-    def push_back(self, bid: int) -> None:
-        self._back[bid] = None
-
-    def remove(self, bid: int) -> None:  # a used id (a cached block being hit again)
-        if bid in self._front:
-            del self._front[bid]
-        else:
-            del self._back[bid]
-
-
-class Blocks:
-    """The KVBlock of every id, made on first access."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._made: dict[int, KVBlock] = {}
-        self._n = num_blocks
-
-    def __getitem__(self, bid: int) -> KVBlock:
-        blk = self._made.get(bid)
-        if blk is None:
-            if not 0 <= bid < self._n:
-                raise IndexError(f"block {bid} is outside the pool of {self._n}")
-            blk = self._made[bid] = KVBlock(bid)
-        return blk
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        return (self[i] for i in range(self._n))
-
-    def made(self) -> Iterator[KVBlock]:
-        """The blocks used at least once (the others are free, with no hash)."""
-        return iter(self._made.values())
+__all__ = ["BlockManager", "Blocks", "FreeQueue", "KVBlock", "hash_block"]
 
 
 class BlockManager:
@@ -469,60 +378,9 @@ class BlockManager:
         self.cached = kept
 
     def snapshot(self, order: Sequence[str], num_computed: dict[str, int]) -> dict:
-        """Every block's state for the KV map, columnar (cheap to build and to send): state 0 free,
-        1 cached-free (holds a reusable prefix; evicted in free-queue order), 2 in use by one request,
-        3 shared (ref count > 1); owner = index in `order` of the first request holding it (-1: none)
-        and index = its position in that request's table; fill = token slots holding KV; every holder
-        of a shared block is a (shared_blocks[j], shared_holders[j]) pair, sorted by block; hash = the
-        first 8 hex digits of its prefix key. Also
-        filled_slots (as filled_slots()) and the cached-free count, so a snapshot needs no second pass.
-        numpy over the concatenated tables: a 3,000-block pool with 200 requests sharing a prefix
-        takes ~0.3 ms."""
-        import numpy as np
-
-        bs, blocks, n = self.block_size, self.blocks, self.num_blocks
-        ref = np.zeros(n, dtype=np.int64)
-        hashes: list[str | None] = [None] * n
-        for b in blocks.made():
-            ref[b.block_id] = b.ref_cnt
-            if b.block_hash is not None:
-                hashes[b.block_id] = b.block_hash[:4].hex()
-        state = np.where(ref > 1, 3, np.where(ref > 0, 2, 0))
-        cached = [bid for bid in self.free_queue.used() if blocks[bid].block_hash is not None]
-        state[cached] = 1
-        # every group's table of each request, one after another (index: the position in its own table)
-        tables = [tables.get(rid) or [] for rid in order for tables in self.group_tables]
-        lens = np.array(list(map(len, tables)), dtype=np.int64)
-        bids = np.array(list(itertools.chain.from_iterable(tables)), dtype=np.int64)
-        req = np.repeat(np.arange(len(tables)) // len(self.group_tables), lens)  # [entries] holder of each entry
-        pos = np.arange(len(bids)) - np.repeat(np.cumsum(lens) - lens, lens)  # [entries] index in its table
-        computed = np.array([num_computed.get(rid, 0) for rid in order for _ in self.group_tables], dtype=np.int64)
-        k = np.clip(np.repeat(computed, lens) - pos * bs, 0, bs)  # [entries] slots of that block it filled
-        live = bids != NULL_BLOCK
-        bids, req, pos, k = bids[live], req[live], pos[live], k[live]
-        fill = np.zeros(len(blocks), dtype=np.int64)
-        np.maximum.at(fill, bids, k)
-        owner = np.full(len(blocks), -1, dtype=np.int64)
-        index = np.zeros(len(blocks), dtype=np.int64)
-        uniq, first = np.unique(bids, return_index=True)
-        owner[uniq], index[uniq] = req[first], pos[first]
-        sh = ref[bids] > 1
-        by_block = np.argsort(bids[sh], kind="stable")
-        return {"num_blocks": len(blocks), "block_size": bs, "state": state.tolist(), "ref": ref.tolist(),
-                "owner": owner.tolist(), "index": index.tolist(), "fill": fill.tolist(),
-                "shared_blocks": bids[sh][by_block].tolist(), "shared_holders": req[sh][by_block].tolist(),
-                "hash": hashes,
-                "filled_slots": int(fill.sum()), "cached_free": len(cached)}
+        """Every block's state for the KV map (core/kv_map.py)."""
+        return kv_map.snapshot(self, order, num_computed)
 
     def filled_slots(self, num_computed: dict[str, int]) -> int:
         """Token slots holding live KV in used blocks (a shared block counts once)."""
-        filled: dict[int, int] = {}
-        bs = self.block_size
-        for rid, n in num_computed.items():
-            for i, bid in ((i, b) for tables in self.group_tables for i, b in enumerate(tables.get(rid, []))):
-                if bid == NULL_BLOCK:
-                    continue
-                k = min(bs, max(0, n - i * bs))
-                if k > filled.get(bid, 0):
-                    filled[bid] = k
-        return sum(filled.values())
+        return kv_map.filled_slots(self, num_computed)

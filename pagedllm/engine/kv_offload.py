@@ -34,8 +34,15 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..model_executor.model_runner import ModelRunner
 
 log = logging.getLogger("pagedllm")
 
@@ -311,3 +318,32 @@ class KVOffloader:
 
 
 __all__ = ["DiskStore", "KVOffloader", "OffloadCounters"]
+
+
+def check_offload(config: EngineConfig, architecture: str, has_state: bool, num_groups: int, has_draft: bool) -> None:
+    """Raise a ConfigError where the disk tier cannot serve the engine."""
+    why = ("prefix caching is off" if not config.enable_prefix_caching else
+           f"{architecture} keeps a linear-attention state" if has_state else
+           "its layers keep KV in groups of different kinds (run with hybrid_kv_cache=False)" if num_groups > 1 else
+           "tensor parallelism shards the pool across processes" if config.tensor_parallel_size > 1 else
+           "a draft model's pool is not saved" if has_draft else None)
+    if why is not None:
+        raise ConfigError(f"the disk KV tier (kv_offload_dir) cannot serve this engine: {why}")
+
+
+def open_offload(config: EngineConfig, runner: ModelRunner, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 block_size: int) -> KVOffloader:
+    """The disk tier over the runner's pool, in the directory's part for this model and KV format."""
+    import hashlib
+
+    from ..model_executor.model_loader import model_content_key
+
+    pools = runner.block_pools
+    fingerprint = hashlib.sha256(json.dumps({
+        "model": model_content_key(config.model), "quantization": config.quantization,
+        "dtype": str(dtype), "kv_dtype": str(kv_dtype), "cache": type(runner.slot_caches[0]).__name__,
+        "block_size": block_size, "pools": [list(p.shape[1:]) for p in pools], "format": FORMAT,
+    }).encode()).hexdigest()[:24]
+    store = DiskStore(config.kv_offload_dir, fingerprint, config.kv_offload_bytes)
+    log.info("disk KV tier: %s (%.1f GiB budget)", store.dir, store.budget / 2**30)
+    return KVOffloader(store, pools)

@@ -23,9 +23,10 @@ from ..platforms.allocator import keep_freed_memory
 from ..sample.sampler import Sampler, SampleResult
 from ..sample.structured_outputs import StructuredOutputs
 from ..sampling_params import SamplingParams, StructuredOutputsParams
-from ..spec_decode.ngram import NgramProposer, SpecDecodeCounters, SpeculativeConfig, record_acceptance, should_propose
+from ..spec_decode.ngram import NgramProposer, SpecDecodeCounters, SpeculativeConfig, propose_for, record_acceptance
 from ..tokenizer import IncrementalDetokenizer
 from .input_processor import InputProcessor, PromptType
+from .kv_offload import check_offload, open_offload
 from .kv_sizing import size_kv_pool
 from .output_processor import RequestGroup, check_stop, finish_text, make_output
 from .stats import EngineStats, EngineView, engine_stats, kv_snapshot
@@ -80,14 +81,7 @@ class LLMEngine:
 
             self.kv_events = make_publisher(config.kv_events_config, bs)
         if config.kv_offload_dir is not None:
-            why = ("prefix caching is off" if not config.enable_prefix_caching else
-                   f"{mc.architecture} keeps a linear-attention state" if has_state else
-                   "its layers keep KV in groups of different kinds (run with hybrid_kv_cache=False)"
-                   if len(layout.groups) > 1 else
-                   "tensor parallelism shards the pool across processes" if config.tensor_parallel_size > 1 else
-                   "a draft model's pool is not saved" if draft is not None else None)
-            if why is not None:
-                raise ConfigError(f"the disk KV tier (kv_offload_dir) cannot serve this engine: {why}")
+            check_offload(config, mc.architecture, has_state, len(layout.groups), draft is not None)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching and not has_state,
                                           layout.windows, record_events=self.kv_events is not None,
                                           record_new_blocks=config.kv_offload_dir is not None)
@@ -98,7 +92,7 @@ class LLMEngine:
                                                   max_seqs if has_state else 0)
         self.offload = None  # the prefix cache's disk tier (kv_offload.py)
         if config.kv_offload_dir is not None:
-            self.offload = self._open_offload(loaded.dtype, kv_dtype, bs)
+            self.offload = open_offload(config, self.runner, loaded.dtype, kv_dtype, bs)
             self.scheduler.offload = self.offload.store.leading_hits
         self.groups: dict[str, RequestGroup] = {}
         self._ids = itertools.count()
@@ -121,24 +115,6 @@ class LLMEngine:
             self.draft = DraftModel(self.spec, self.executor, draft, mc.vocab_size, self.sampler, self.structured)
             self.proposer = self.draft
         log.info("engine ready in %.1f s", time.monotonic() - t0)
-
-    def _open_offload(self, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int):
-        """The disk tier over this runner's pool, in the directory's part for this model and KV format."""
-        import hashlib
-        import json
-
-        from ..model_executor.model_loader import model_content_key
-        from .kv_offload import FORMAT, DiskStore, KVOffloader
-
-        pools = self.runner.block_pools
-        fingerprint = hashlib.sha256(json.dumps({
-            "model": model_content_key(self.config.model), "quantization": self.config.quantization,
-            "dtype": str(dtype), "kv_dtype": str(kv_dtype), "cache": type(self.runner.slot_caches[0]).__name__,
-            "block_size": block_size, "pools": [list(p.shape[1:]) for p in pools], "format": FORMAT,
-        }).encode()).hexdigest()[:24]
-        store = DiskStore(self.config.kv_offload_dir, fingerprint, self.config.kv_offload_bytes)
-        log.info("disk KV tier: %s (%.1f GiB budget)", store.dir, store.budget / 2**30)
-        return KVOffloader(store, pools)
 
     def _finish_loads(self, timeout: float | None = None) -> None:
         """Requests whose blocks the disk tier has read in join the batch."""
@@ -348,28 +324,7 @@ class LLMEngine:
             self._release(seq, RequestStatus.FINISHED_ABORTED)
 
     def _propose(self) -> None:
-        """This step's proposals for running decodes (none while the batch is large, for paused
-        requests, or where n-gram lookup finds nothing); a grammar cuts them at its first rejection."""
-        cfg = self.spec
-        running = self.scheduler.running
-        large = cfg.disable_by_batch_size is not None and len(running) > cfg.disable_by_batch_size
-        for req in running:
-            req.spec_tokens = []
-            if large or req.num_tokens - req.num_computed_tokens != 1 or req.pending_forks:
-                continue
-            k = min(cfg.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
-                    self.max_model_len - req.num_tokens - 1)
-            if k < 1 or not should_propose(req):
-                continue
-            drafts = self.proposer.propose(req, k)  # a draft model's are placeholders until it runs
-            if req.grammar is not None and drafts and self.draft is None:
-                n = 0
-                while n < len(drafts) and req.grammar.accept_token(drafts[n]):
-                    n += 1
-                if n:
-                    req.grammar.rollback(n)
-                del drafts[n:]
-            req.spec_tokens = drafts
+        propose_for(self.scheduler.running, self.proposer, self.spec, self.max_model_len, self.draft is not None)
 
     def _check_stop(self, g: RequestGroup, seq: Request, n_out: int | None = None) -> None:
         """Whether the n_out-th output token (default: the last) ends the sequence."""

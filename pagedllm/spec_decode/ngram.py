@@ -11,7 +11,9 @@ proposals' slots are rolled back (BlockManager.truncate).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..core.request import Request
 from ..errors import ConfigError
@@ -76,6 +78,10 @@ class SpecDecodeCounters:
             self.accepted_per_pos[i] += 1
 
 
+class Proposer(Protocol):
+    def propose(self, req: Request, k: int) -> list[int]: ...
+
+
 class NgramProposer:
     """Prompt lookup: the last n tokens (n from prompt_lookup_max down to min) matched against the
     request's earlier prompt and output; propose what followed the latest match. Each sequence's
@@ -133,3 +139,28 @@ def record_acceptance(req: Request, proposed: int, accepted: int, config: Specul
     if len(hist) == config.window and sum(hist) < config.min_acceptance * config.window:
         req.spec_pause = config.pause_steps
         hist.clear()
+
+
+def propose_for(running: Sequence[Request], proposer: Proposer, config: SpeculativeConfig, max_model_len: int,
+                placeholders: bool) -> None:
+    """Set each running decode's `spec_tokens` for this step: none while the batch is large, for paused
+    requests, or where the proposer finds nothing; a grammar cuts them at its first rejection (placeholders:
+    the proposer's tokens are stand-ins until a draft model runs, so no grammar sees them)."""
+    large = config.disable_by_batch_size is not None and len(running) > config.disable_by_batch_size
+    for req in running:
+        req.spec_tokens = []
+        if large or req.num_tokens - req.num_computed_tokens != 1 or req.pending_forks:
+            continue
+        k = min(config.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
+                max_model_len - req.num_tokens - 1)
+        if k < 1 or not should_propose(req):
+            continue
+        drafts = proposer.propose(req, k)
+        if req.grammar is not None and drafts and not placeholders:
+            n = 0
+            while n < len(drafts) and req.grammar.accept_token(drafts[n]):
+                n += 1
+            if n:
+                req.grammar.rollback(n)
+            del drafts[n:]
+        req.spec_tokens = drafts

@@ -17,8 +17,9 @@ import torch
 from ...errors import ModelLoadError
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
+from ..layers.rotary import rope_inv_freq
 from .config import ModelConfig, text_config_of
-from .llama import LlamaForCausalLM, RMSNorm, rope_inv_freq, shift_norms
+from .llama import LlamaForCausalLM, RMSNorm, shift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .weight_names import Linear, Param, Part
 

@@ -7,7 +7,6 @@ row, so every linear layer runs once per step; only attention looks at sequence 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -15,106 +14,16 @@ from torch import nn
 
 from ...core.kv_spec import KVSpec
 from ...distributed import TPGroup
-from ...errors import ModelLoadError
 from ...platforms.cpu import Ops
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.backends import Activation, Backend, TorchReference, backend_for
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
+from ..layers.rotary import rope_attention_scale, rope_inv_freq
 from ..layers.weight_formats import GGMLWeight, PackedWeight
 from .config import ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames, has_module
-
-
-def rotary_dim(cfg: ModelConfig) -> int:
-    return int(cfg.head_dim * cfg.partial_rotary_factor)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2]: each rotate_half pair's frequency. Under partial rotary the pairs past rotary_dim / 2
-    get 0 (cos 1, sin 0: untouched); the model's loader has ordered each head's q/k dims so that its rotary
-    pairs come first (see `partial_rotary_order`)."""
-    inv_freq = _rotary_inv_freq(cfg)
-    return torch.cat((inv_freq, inv_freq.new_zeros(cfg.head_dim // 2 - inv_freq.shape[0])))
-
-
-def rope_attention_scale(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] multiplier of the cos / sin tables: LongRoPE's attention factor on the rotary pairs only."""
-    s, n_rot = cfg.rope_scaling or {}, rotary_dim(cfg) // 2
-    scale = torch.ones(cfg.head_dim // 2)
-    kind = s.get("rope_type", s.get("type"))
-    if kind in ("longrope", "yarn"):
-        factor = s.get("factor") or cfg.max_position_embeddings / s["original_max_position_embeddings"]
-        attention = s.get("attention_factor")
-        if attention is None and kind == "longrope":
-            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
-        elif attention is None and s.get("mscale") and s.get("mscale_all_dim"):
-            attention = _yarn_mscale(factor, s["mscale"]) / _yarn_mscale(factor, s["mscale_all_dim"])
-        elif attention is None:
-            attention = _yarn_mscale(factor)
-        scale[:n_rot] = attention
-    return scale
-
-
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _yarn_inv_freq(s: dict, d: int, theta: float, base: torch.Tensor) -> torch.Tensor:
-    """YaRN: the high-frequency pairs (more than beta_fast turns over the original context) keep their frequency,
-    the low ones (under beta_slow turns) are divided by the factor, a linear ramp in between."""
-    factor, orig = s["factor"], s["original_max_position_embeddings"]
-    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-
-    def pair_of(turns: float) -> float:  # the (fractional) pair index that turns `turns` times over orig positions
-        return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
-
-    lo, hi = pair_of(fast), pair_of(slow)
-    if s.get("truncate", True):
-        lo, hi = math.floor(lo), math.ceil(hi)
-    lo, hi = max(lo, 0), min(hi, d - 1)
-    if lo == hi:
-        hi += 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)  # [d / 2]: 0 keep, 1 scale
-    return (1.0 / (factor * base)) * ramp + (1.0 / base) * (1 - ramp)
-
-
-def partial_rotary_order(head_dim: int, rot: int) -> torch.Tensor:
-    """The order of a head's dims that puts HF's partial-rotary pairs (i, i + rot / 2), i < rot / 2, at rotate_half's
-    full-width pairs (i, i + head_dim / 2) and the unrotated dims in the remaining slots: q and k are reordered
-    alike (their dot product is unchanged), so the full-width rope kernels rotate exactly HF's dims."""
-    half, rest = rot // 2, (head_dim - rot) // 2
-    first = [*range(half), *range(rot, rot + rest)]
-    second = [*range(half, rot), *range(rot + rest, head_dim)]
-    return torch.tensor(first + second)
-
-
-def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = rotary_dim(cfg)
-    base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # [d / 2]
-    inv_freq = 1.0 / base
-    s = cfg.rope_scaling
-    if not s:
-        return inv_freq
-    kind = s.get("rope_type", s.get("type"))
-    if kind == "longrope":  # the short factors: the context is capped at original_max_position_embeddings
-        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base)
-    if kind == "linear":
-        return inv_freq / s["factor"]
-    if kind == "yarn":
-        return _yarn_inv_freq(s, d, cfg.rope_theta, base)
-    if kind == "llama3":
-        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-        old_len = s.get("original_max_position_embeddings", 8192)
-        lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, longrope, yarn)")
 
 
 class RMSNorm(nn.Module):

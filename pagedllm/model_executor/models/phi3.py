@@ -15,8 +15,9 @@ import logging
 import torch
 
 from ...errors import ModelLoadError
+from ..layers.rotary import partial_rotary_order, rotary_dim
 from .config import ModelConfig
-from .llama import LlamaForCausalLM, partial_rotary_order, rotary_dim
+from .llama import LlamaForCausalLM
 from .weight_names import Linear, Part
 
 log = logging.getLogger("pagedllm")

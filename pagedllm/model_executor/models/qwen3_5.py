@@ -27,8 +27,9 @@ from torch import nn
 from ...core.kv_spec import KVSpec
 from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked, l2norm, recurrent_step
 from ..layers.linear import PackedLinear
+from ..layers.rotary import partial_rotary_order, rotary_dim
 from .config import ModelConfig, text_config_of
-from .llama import DecoderLayer, LlamaForCausalLM, partial_rotary_order, rotary_dim, shift_norms
+from .llama import DecoderLayer, LlamaForCausalLM, shift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .qwen3_moe import MOE_EXPERTS, ROUTER
 from .weight_names import Linear, Param, Part
