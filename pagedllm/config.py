@@ -65,6 +65,19 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # at-load targets: gguf-py's quantizers
 
 
+def check_device(config: EngineConfig) -> None:
+    """A device name torch would parse ("cpu", "cuda", "cuda:1"); what runs only on the CPU is refused
+    elsewhere (whether the device exists is the platform's question, asked when the model loads)."""
+    if not isinstance(config.device, str) or not re.fullmatch(r"[a-z][a-z0-9_]*(:\d+)?", config.device):
+        raise ConfigError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {config.device!r}")
+    if config.device == "cpu":
+        return
+    for name, off in (("tensor_parallel_size > 1", config.tensor_parallel_size == 1),
+                      ("kv_offload_dir", config.kv_offload_dir is None)):
+        if not off:
+            raise ConfigError(f"{name} runs on the CPU only; device={config.device!r} cannot use it")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -94,6 +107,7 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # the prefix cache's disk tier (engine/kv_offload.py); None: none
     kv_offload_bytes: int | str = "16GiB"  # its budget on disk (least recently used blocks go first)
     model_registry: Any = None  # a ModelRegistry with architectures of one's own (None: the built-in ones)
+    device: str = "cpu"  # a torch device ("cuda", "cuda:1"): the model and its KV pool there (platforms/)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -119,9 +133,10 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be 'recompute' or 'reserve', got {self.preemption_mode!r}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        check_device(self)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
-            if self.kv_cache_memory > host_available_memory():  # before a model loads or a port is bound
+            if self.device == "cpu" and self.kv_cache_memory > host_available_memory():  # before a model loads or a port is bound
                 raise ConfigError(f"kv_cache_memory of {self.kv_cache_memory / 2**30:.2f} GiB is more than the "
                                   f"{host_available_memory() / 2**30:.2f} GiB of memory available")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -52,7 +52,7 @@ def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
     if config.kv_cache_memory is not None:
         budget = parse_size(config.kv_cache_memory)
     elif config.memory_utilization is not None:
-        budget = int(current_platform().available_memory_bytes() * config.memory_utilization)
+        budget = int(current_platform(config.device).available_memory_bytes() * config.memory_utilization)
     else:
         budget = DEFAULT_KV_CACHE_MEMORY
     n = budget // bytes_per_block
@@ -61,10 +61,10 @@ def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
     return n
 
 
-def check_fits_in_memory(num_blocks: int, bytes_per_block: int) -> None:
+def check_fits_in_memory(num_blocks: int, bytes_per_block: int, device: str = "cpu") -> None:
     """A pool larger than the memory there is would be zero-filled until the OOM killer ends the
     process (a shared host's global OOM): refused here, with the figures."""
-    need, have = num_blocks * bytes_per_block, current_platform().available_memory_bytes()
+    need, have = num_blocks * bytes_per_block, current_platform(device).available_memory_bytes()
     if need > have:
         raise ConfigError(f"the KV pool needs {need / 2**30:.2f} GiB ({num_blocks} blocks x {bytes_per_block} "
                           f"bytes) but only {have / 2**30:.2f} GiB of memory is available; lower "
@@ -93,7 +93,7 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
                            if s is not None)
     bytes_per_block = bytes_per_token * bs
     num_blocks = num_blocks_for(config, bytes_per_block)
-    check_fits_in_memory(num_blocks, bytes_per_block)
+    check_fits_in_memory(num_blocks, bytes_per_block, config.device)
     model_max = mc.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_max})")

@@ -92,31 +92,34 @@ class AttentionMetadata:
             return self
         view = self._windows.get(window)
         if view is None:
-            prefills = [dataclasses.replace(p, mask=build_mask(p.q_len, p.ctx_len, window)) for p in self.prefills]
+            dev = self.slot_mapping.device
+            prefills = [dataclasses.replace(p, mask=build_mask(p.q_len, p.ctx_len, window, dev)) for p in self.prefills]
             view = dataclasses.replace(self, sliding_window=window, prefills=prefills, _windows={}, layer_meta=None)
             if self.decode_mask is not None:
-                view.decode_mask = build_decode_mask(self.decode_ctx_lens, self.decode_mask.shape[-1], window)
+                view.decode_mask = build_decode_mask(self.decode_ctx_lens, self.decode_mask.shape[-1], window, dev)
             self._windows[window] = view
         return view
 
 
-def build_mask(q_len: int, ctx_len: int, sliding_window: int | None) -> torch.Tensor | None:
+def build_mask(q_len: int, ctx_len: int, sliding_window: int | None,
+               device: torch.device | str = "cpu") -> torch.Tensor | None:
     """Causal mask of a chunk whose q_len tokens are the last of ctx_len; None when plain
     causal attention over the chunk alone is exact (nothing before it, no window)."""
     start = ctx_len - q_len
     if start == 0 and (sliding_window is None or ctx_len <= sliding_window):
         return None
-    q_pos = torch.arange(start, ctx_len).unsqueeze(1)  # [q_len, 1]
-    k_pos = torch.arange(ctx_len).unsqueeze(0)  # [1, ctx_len]
+    q_pos = torch.arange(start, ctx_len, device=device).unsqueeze(1)  # [q_len, 1]
+    k_pos = torch.arange(ctx_len, device=device).unsqueeze(0)  # [1, ctx_len]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask.view(1, 1, q_len, ctx_len)
 
 
-def build_decode_mask(ctx_lens: list[int], width: int, sliding_window: int | None) -> torch.Tensor:
-    lens = torch.tensor(ctx_lens).unsqueeze(1)  # [B, 1]
-    k_pos = torch.arange(width).unsqueeze(0)  # [1, width]
+def build_decode_mask(ctx_lens: list[int], width: int, sliding_window: int | None,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    lens = torch.tensor(ctx_lens, device=device).unsqueeze(1)  # [B, 1]
+    k_pos = torch.arange(width, device=device).unsqueeze(0)  # [1, width]
     mask = k_pos < lens
     if sliding_window is not None:
         mask &= k_pos >= lens - sliding_window
@@ -133,7 +136,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, L, S]
     if is_causal:
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     sink = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:3], 1)  # [B, H, L, 1]
@@ -257,8 +260,10 @@ class MetadataBuilder:
     torch gathers), chunk_op, whether prefills go to the chunk kernel. It also decides the order of the rows
     (the op's rows first), which the runner follows."""
 
-    def __init__(self, block_size: int, sliding_window: int | None, op: Callable | None, chunk_op: bool) -> None:
-        self.block_size, self.sliding_window = block_size, sliding_window
+    def __init__(self, block_size: int, sliding_window: int | None, op: Callable | None, chunk_op: bool,
+                 device: torch.device | str = "cpu") -> None:
+        """device: where the torch paths read the metadata (the pool's); the C++ ops' run on the CPU only."""
+        self.block_size, self.sliding_window, self.device = block_size, sliding_window, torch.device(device)
         self.op, self.chunk_op = op, chunk_op
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if chunk_op else PAGED_CHUNK_MAX
 
@@ -305,11 +310,11 @@ class MetadataBuilder:
             self._chunk_tables.append(table[:nb])
             self._chunk_meta.append((q_start, n, ctx))
         elif not paged:
-            self._prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb]),
-                                             build_mask(n, ctx, self.sliding_window)))
+            self._prefills.append(PrefillSeq(q_start, n, ctx, torch.tensor(table[:nb], device=self.device),
+                                             build_mask(n, ctx, self.sliding_window, self.device)))
 
     def build(self, slots: list[int]) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decodes=len(self._dec_tables),
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), num_decodes=len(self._dec_tables),
                                  num_decode_rows=self._decode_rows,
                                  prefills=self._prefills, sliding_window=self.sliding_window, op=self.op,
                                  decode_ctx_lens=self._dec_lens)
@@ -318,15 +323,15 @@ class MetadataBuilder:
             meta.paged = PagedRows(len(row_seq), _padded(self._paged_tables), torch.tensor(row_seq),
                                    *(torch.tensor(v) for v in zip(*self._paged_meta)))
         elif self._dec_tables:
-            meta.decode_block_tables = _padded(self._dec_tables)
+            meta.decode_block_tables = _padded(self._dec_tables, self.device)
             width = meta.decode_block_tables.shape[1] * self.block_size
-            meta.decode_mask = build_decode_mask(self._dec_lens, width, self.sliding_window)
+            meta.decode_mask = build_decode_mask(self._dec_lens, width, self.sliding_window, self.device)
         if self._chunk_meta:
             meta.chunks = ChunkRows(_padded(self._chunk_tables), *(torch.tensor(v) for v in zip(*self._chunk_meta)))
         return meta
 
 
-def _padded(tables: list[list[int]]) -> torch.Tensor:
+def _padded(tables: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     """Block tables as one [S, max_blocks] int64 tensor, rows padded with block 0 (never read: lengths bound it)."""
     width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)

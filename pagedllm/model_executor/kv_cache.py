@@ -12,12 +12,12 @@ class KVCache:
     rotated = False  # the pool holds heads times an orthogonal matrix (kv_quant.IntKVCache.rotate)
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: decode attention reads whole blocks (masking the unused slots), and a
         # never-written slot holding NaN bits would poison the masked softmax
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.compute_dtype = compute_dtype
         self.block_size = block_size
         self.head_dim = head_dim  # (a pool's last dimension may be bytes of blocks: kv_quant.IntKVCache)

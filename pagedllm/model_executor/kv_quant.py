@@ -35,10 +35,10 @@ class FP8KVCache(KVCache):
     lossy = True  # attention always reads what the cache holds, so fp8 affects every token
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-        super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, compute_dtype)
-        self.k_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
-        self.v_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE)
+                 dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, compute_dtype, device)
+        self.k_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
+        self.v_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
         self.lut = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # fp8 bits -> value, for the C++ op
 
     @staticmethod
@@ -145,14 +145,14 @@ class IntKVCache(KVCache):
     formats: tuple[str, str] = ("q8_0", "q8_0")  # (K, V): set by int_kv_cache
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         if head_dim % 32:
             raise ValueError(f"{'/'.join(self.formats)} KV needs a head_dim that is a multiple of 32, got {head_dim}")
         kb, vb = (head_dim // 32 * INT_FORMATS[f] for f in self.formats)
-        self.k = torch.zeros((num_blocks, block_size, num_kv_heads, kb), dtype=torch.uint8)
-        self.v = torch.zeros((num_blocks, block_size, num_kv_heads, vb), dtype=torch.uint8)
+        self.k = torch.zeros((num_blocks, block_size, num_kv_heads, kb), dtype=torch.uint8, device=device)
+        self.v = torch.zeros((num_blocks, block_size, num_kv_heads, vb), dtype=torch.uint8, device=device)
         self.head_dim, self.compute_dtype, self.block_size = head_dim, compute_dtype, block_size
-        self.rotation = hadamard(head_dim)
+        self.rotation = hadamard(head_dim).to(device)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> x R in fp32 (R R = I: also the inverse)."""

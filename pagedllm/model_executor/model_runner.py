@@ -65,10 +65,12 @@ class ModelRunner:
         self.block_size = block_size
         cfg = model.cfg
         self.dtype = model.embed_tokens.weight.dtype  # of the activations
+        self.device = torch.device(getattr(model, "device", "cpu"))  # the platform's: the model's and its pool's
         specs = model.kv_specs()
         self.layout = layout or plan_kv_layout(specs, hybrid=False)
         # one pool tensor per slot; layer i of every group keeps its K/V in slot i's
-        self.slot_caches = [cache_factory(num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype, self.dtype)
+        self.slot_caches = [cache_factory(num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype, self.dtype,
+                                          self.device)
                             for s in self.layout.slot_specs(specs)]
         # every pool tensor as bytes, block id first: what the disk tier saves and restores of a block
         self.block_pools = [t for c in self.slot_caches for t in c.pools()]
@@ -80,7 +82,8 @@ class ModelRunner:
         self.argmax = backend.argmax_rows
         op, chunk_op = backend.paged_ops(self.slot_caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
         hybrid = self.layout.hybrid
-        self.attns = [MetadataBuilder(block_size, g.sliding_window if hybrid else cfg.sliding_window, op, chunk_op)
+        self.attns = [MetadataBuilder(block_size, g.sliding_window if hybrid else cfg.sliding_window, op, chunk_op,
+                                     self.device)
                       for g in self.layout.groups]
         self.attn = self.attns[0]
 
@@ -157,6 +160,7 @@ class ModelRunner:
         meta.state_seqs = state_seqs
         if len(metas) > 1:  # a layer without KV (group -1) reads the first group's: only its state rows matter
             meta.layer_meta = [metas[max(g, 0)] for g in self.layout.group_of_layer]
-        logits = self.model(torch.tensor(ids), torch.tensor(pos), self.caches, meta,
-                            torch.tensor(logits_rows, dtype=torch.long))
-        return StepResult(logits, sampled, num_rows)
+        dev = self.device
+        logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.caches, meta,
+                            torch.tensor(logits_rows, dtype=torch.long, device=dev))
+        return StepResult(logits.cpu(), sampled, num_rows)  # sampled on the host

@@ -41,9 +41,10 @@ class StateCache:
 
     lossy = False
 
-    def __init__(self, num_slots: int, conv_dim: int, kernel: int, num_v_heads: int, k_dim: int, v_dim: int) -> None:
-        self.conv = torch.zeros(num_slots, conv_dim, kernel - 1)
-        self.recurrent = torch.zeros(num_slots, num_v_heads, k_dim, v_dim)
+    def __init__(self, num_slots: int, conv_dim: int, kernel: int, num_v_heads: int, k_dim: int, v_dim: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.conv = torch.zeros(num_slots, conv_dim, kernel - 1, device=device)
+        self.recurrent = torch.zeros(num_slots, num_v_heads, k_dim, v_dim, device=device)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.conv[dst].copy_(self.conv[src])
@@ -87,12 +88,12 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     q, k, v = (t.reshape(h, m, chunk, -1) for t in (q, k, v))  # [H, m, C, D]
     g, beta = g.reshape(h, m, chunk), beta.reshape(h, m, chunk)
     gamma = g.cumsum(-1)  # [H, m, C]: log decay from the chunk's start to each token
-    causal = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [H, m, C, C] i>=j
     kb, vb = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     # token i's write is v_i minus what the state predicts after the chunk's earlier writes: solving the unit lower
     # triangular system (I + L) W = X, L[i, j] = beta_i k_i.k_j exp(gamma_i - gamma_j) for j < i, gives them all
-    system = (kb @ k.transpose(-1, -2) * decay).masked_fill(~causal.tril(-1), 0.0) + torch.eye(chunk)
+    system = (kb @ k.transpose(-1, -2) * decay).masked_fill(~causal.tril(-1), 0.0) + torch.eye(chunk, device=q.device)
     writes = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)  # [H, m, C, Dv]
     reads = torch.linalg.solve_triangular(system, kb * gamma.exp().unsqueeze(-1), upper=False, unitriangular=True)
     attn = q @ k.transpose(-1, -2) * decay  # [H, m, C, C]: within the chunk

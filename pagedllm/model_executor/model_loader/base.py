@@ -13,7 +13,7 @@ from torch import nn
 
 from ...distributed import TPGroup, check_divisible
 from ...errors import ModelLoadError
-from ...platforms import current_platform
+from ...platforms import Platform
 from ...platforms.cpu import Ops
 from ...tokenizer import Tokenizer
 from ..layers.weight_formats import quantize
@@ -49,11 +49,11 @@ def build(cls: type, cfg: ModelConfig, has_bias: dict[str, bool], tp: TPGroup | 
         return cls(cfg, frozenset(attr for attr, yes in has_bias.items() if yes))
 
 
-def resolve_dtype(dtype: str, cfg: dict) -> torch.dtype:
+def resolve_dtype(dtype: str, cfg: dict, platform: Platform) -> torch.dtype:
     if dtype != "auto":
         return DTYPES[dtype]
     # the platform decides, not the checkpoint: fp16 and bf16 without native dot products are slow
-    picked, why = current_platform().auto_dtype()
+    picked, why = platform.auto_dtype()
     stored = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     log.info("dtype auto: %s (%s; checkpoint stored as %s)", str(picked).removeprefix("torch."), why, stored)
     return picked
@@ -128,18 +128,16 @@ def quantize_linear(model: nn.Module, ops: Ops, lin: nn.Linear, w: torch.Tensor,
     model.set_packed(lin, quantize(ops, w, bias, quantization))
 
 
-def kernels_for(tdtype: torch.dtype) -> Ops | None:
-    return current_platform().kernels(tdtype)
-
-
-def use_kernels(model: nn.Module, ops: Ops | None, tdtype: torch.dtype) -> None:
+def use_kernels(model: nn.Module, ops: Ops | None, tdtype: torch.dtype, device: str) -> None:
     """Pack what is still dense for the C++ kernels (bf16 or fp32 panels), then keep activations, norms,
-    embeddings and the residual stream in fp32; without kernels the model runs in tdtype on torch."""
+    embeddings and the residual stream in fp32; without kernels the model runs in tdtype on torch, on the
+    platform's device."""
     if ops is not None:
         model.set_ops(ops, tdtype)
         model.float()
     else:
-        model.to(tdtype)
+        model.to(device=device, dtype=tdtype)
+    model.device = device
 
 
 def check_complete(model: nn.Module, path: Path) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
+from ...platforms import current_platform
 from ...tokenizer import Tokenizer
 from ..layers.formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
 from ..layers.weight_formats import GGMLWeight, block_bytes_of, repack_experts
@@ -28,7 +29,6 @@ from .base import (
     LoadedModel,
     build,
     check_complete,
-    kernels_for,
     layer_linears,
     model_class,
     quantize_linear,
@@ -220,7 +220,7 @@ class GGUFTensors:
 
 
 def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
-              tp: TPGroup | None = None, registry: ModelRegistry | None = None) -> LoadedModel:
+              tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu") -> LoadedModel:
     """quantization: None runs the file's formats, "none" dequantizes everything (the fp32 / bf16
     reference), a format name requantizes the dense weights into it."""
     f = GGUFTensors(path)
@@ -229,8 +229,9 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     cls = model_class(raw, registry)
     wn = cls.WEIGHTS
     cfg = cls.config_from_hf(raw)
-    tdtype = resolve_dtype(dtype, raw)
-    ops = kernels_for(tdtype)
+    platform = current_platform(device)
+    tdtype = resolve_dtype(dtype, raw, platform)
+    ops = platform.kernels(tdtype)
     native = ops is not None and quantization is None
     if quantization is None and ops is None:
         log.warning("no C++ kernels: the GGUF's quantized weights are dequantized to %s", tdtype)
@@ -343,7 +344,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)
-    use_kernels(model, ops, tdtype)
+    use_kernels(model, ops, tdtype, platform.device)
     f.drop_metadata()
     model.gguf = f  # keeps the map (the weights used in place) alive as long as the model
     return LoadedModel(model, cfg, tok, path.stem, path, tdtype)

@@ -11,6 +11,7 @@ import torch
 
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
+from ...platforms import current_platform
 from ...tokenizer import Tokenizer
 from ..layers.weight_formats import BlockRows, GGMLWeight
 from ..models.registry import ModelRegistry
@@ -18,7 +19,6 @@ from .base import (
     LoadedModel,
     build,
     check_complete,
-    kernels_for,
     layer_linears,
     model_class,
     quantize_linear,
@@ -42,12 +42,13 @@ def read_config(path: Path) -> dict:
 
 
 def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None,
-                   tp: TPGroup | None = None, registry: ModelRegistry | None = None) -> LoadedModel:
+                   tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu") -> LoadedModel:
     raw = read_config(path)
     cls = model_class(raw, registry)
     names = cls.WEIGHTS
     cfg = cls.config_from_hf(raw)
-    tdtype = resolve_dtype(dtype, raw)
+    platform = current_platform(device)
+    tdtype = resolve_dtype(dtype, raw, platform)
     sd = _read_weights(path)
     cls.hf_tensors(sd, cfg)
 
@@ -62,7 +63,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     if lm_head_name not in sd:
         cfg.tie_word_embeddings = True
 
-    ops = kernels_for(tdtype)
+    ops = platform.kernels(tdtype)
     blocks_dequantized = 0
 
     def linear(owner: torch.nn.Module, spec, prefix: str) -> None:
@@ -127,7 +128,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
             raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
         for lin in [lin for lin in model._linears() if lin.quantizable and lin.packed is None]:
             quantize_linear(model, ops, lin, lin.weight.data, lin.bias.data if lin.bias is not None else None, quantization)
-    use_kernels(model, ops, tdtype)
+    use_kernels(model, ops, tdtype, platform.device)
     eos = raw.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():

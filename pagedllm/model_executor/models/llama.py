@@ -281,10 +281,12 @@ class LlamaForCausalLM(nn.Module):
         table = self._rope_tables.get(key)
         if table is None or need > table[0].shape[0]:  # tables grow on demand, computed in fp32 as HF does
             n = max(need, min(self.cfg.max_position_embeddings, 4096))
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.rope_inv_freq(key))
-            emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
-            scale = self.rope_attention_scale(key).repeat(2)  # [D]
-            table = self._rope_tables[key] = (emb.cos() * scale, emb.sin() * scale)
+            with torch.device("cpu"):  # built on the host whatever the device: the same bits everywhere
+                freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.rope_inv_freq(key))
+                emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+                scale = self.rope_attention_scale(key).repeat(2)  # [D]
+            dev = positions.device
+            table = self._rope_tables[key] = ((emb.cos() * scale).to(dev), (emb.sin() * scale).to(dev))
         return self.backend.rope_tables(*table, positions, dtype)
 
     @torch.inference_mode()
@@ -293,13 +295,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
         ropes = {key: self._rope(positions, x.dtype, key) for key in dict.fromkeys(lay.rope_key for lay in self.layers)}
         residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x, residual = layer(x, residual, *ropes[layer.rope_key], cache, meta.for_layer(i))
         if logits_indices.numel() == 0:  # KV only (a draft model mirroring a step)
-            return torch.zeros(0, self.cfg.vocab_size)
+            return torch.zeros(0, self.cfg.vocab_size, device=x.device)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.backend)
         # the sampled rows keep the step's order: the decodes' rows first

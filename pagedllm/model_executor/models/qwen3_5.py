@@ -104,7 +104,7 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         self.eps = cfg.rms_norm_eps
 
     def state_cache(self, num_slots: int) -> StateCache:
-        return StateCache(num_slots, self.conv_dim, self.kernel, self.hv, self.dk, self.dv)
+        return StateCache(num_slots, self.conv_dim, self.kernel, self.hv, self.dk, self.dv, self.conv_weight.device)
 
     def state_bytes(self) -> int:
         return StateCache.bytes_per_slot(self.conv_dim, self.kernel, self.hv, self.dk, self.dv)
@@ -127,11 +127,13 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         beta = torch.sigmoid(b)  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [T, Hv]: log decay, <= 0
         w = self.conv_weight.float().view(self.conv_dim, self.kernel)
-        out = torch.zeros(t, self.hv, self.dv)
+        dev = h.device
+        out = torch.zeros(t, self.hv, self.dv, device=dev)
         steps = [s for s in seqs if s.n == 1]
         if steps:  # one token each: batched
-            rows, slots = torch.tensor([s.q_start for s in steps]), torch.tensor([s.slot for s in steps])
-            keep = torch.tensor([0.0 if s.fresh else 1.0 for s in steps])
+            rows = torch.tensor([s.q_start for s in steps], device=dev)
+            slots = torch.tensor([s.slot for s in steps], device=dev)
+            keep = torch.tensor([0.0 if s.fresh else 1.0 for s in steps], device=dev)
             conv_state = cache.conv[slots] * keep[:, None, None]
             y, cache.conv[slots] = causal_conv(mixed[rows].unsqueeze(-1), conv_state, w)  # y [B, C, 1]
             q, k, v = self._heads(y[..., 0])
