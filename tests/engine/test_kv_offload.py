@@ -95,6 +95,7 @@ def _run(llama_dir, prompts, **kw):
         return outs, llm.engine.stats()
 
 
+@pytest.mark.slow
 def test_after_a_restart_a_prefix_is_read_from_disk_not_computed(llama_dir, tmp_path):
     """Two documents of 100 tokens: saved by the first engine, read by the second (6 full blocks each, the last
     token always computed); the same tokens as an engine without the tier, logprobs within fp32 sum order (the
@@ -116,6 +117,7 @@ def test_after_a_restart_a_prefix_is_read_from_disk_not_computed(llama_dir, tmp_
     assert st3.kv_offload["blocks_loaded"] == 4 and st3.disk_cache_hits == 64
 
 
+@pytest.mark.slow
 def test_damaged_files_cost_a_recompute_never_a_wrong_token(llama_dir, tmp_path):
     prompts = _prompts(2, 100, seed=1)
     first, _ = _run(llama_dir, prompts, kv_offload_dir=str(tmp_path))
@@ -132,6 +134,7 @@ def test_damaged_files_cost_a_recompute_never_a_wrong_token(llama_dir, tmp_path)
     assert st.disk_cache_hits == 16 * st.kv_offload["blocks_loaded"] < 2 * 96
 
 
+@pytest.mark.slow
 def test_another_salt_or_kv_format_never_reads_the_blocks(llama_dir, tmp_path):
     prompts = _prompts(1, 100, seed=2)
     _run(llama_dir, prompts, kv_offload_dir=str(tmp_path))
@@ -150,6 +153,7 @@ def test_an_engine_the_tier_cannot_serve_is_a_clear_error(llama_dir, tmp_path):
         LLM(llama_dir, enable_prefix_caching=False, kv_offload_dir=str(tmp_path))
 
 
+@pytest.mark.slow
 def test_processes_sharing_a_directory_read_whole_blocks_only(tmp_path):
     """Four processes write and read the same 40 blocks at once: every read is whole (no torn or failed file), and
     no temporary file is left."""

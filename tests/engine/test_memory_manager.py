@@ -9,6 +9,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.tools.workloads import mixed, shared_prefix
 
+pytestmark = pytest.mark.slow  # engines end to end: the full suite, not the fast tier
+
 VOCAB = 320
 
 

@@ -36,6 +36,7 @@ def test_block_counts_follow_budget_and_dtype(llama_dir):
     assert counts["bfloat16"] == 2 * counts["float32"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16"])
 def test_compact_kv_close_to_fp32(llama_dir, kv):
     ids = [(i * 37 + i * i * 11) % 320 for i in range(600)]
@@ -67,6 +68,7 @@ def test_default_model_fp8_perplexity_within_2_percent():
     assert ppl["fp8_e4m3"] / ppl["float32"] - 1 < 0.02, ppl
 
 
+@pytest.mark.slow
 def test_bf16_pool_through_the_cpp_op_tracks_the_torch_path(llama_dir):
     """Over a bf16 pool the C++ attention rounds q and p to bf16 (bf16 dot products; test_kernels checks
     that math exactly), the torch path computes in fp32 on the same pool rows. Whole-model logits (fp32
@@ -135,6 +137,7 @@ def test_integer_kv_block_counts_and_head_dims(hd32_dir, llama_dir):
         LLM(model=hd32_dir, kv_cache_dtype="bfloat16/q4_0")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["q8_0", "q8_0/q4_0", "q4_0"])
 def test_integer_kv_close_to_fp32_through_the_op_and_the_torch_path(hd32_dir, kv):
     """Whole-model logits over a q8_0 / q4_0 pool against an fp32 pool, through the C++ op (it reads the

@@ -16,6 +16,8 @@ from pagedllm.errors import ConfigError
 from pagedllm.sample.sampler import Sampler
 from pagedllm.spec_decode.ngram import NgramProposer, SpeculativeConfig, record_acceptance, should_propose
 
+pytestmark = pytest.mark.slow  # engines end to end: the full suite, not the fast tier
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "disable_by_batch_size": None}
 
