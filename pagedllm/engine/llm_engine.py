@@ -101,7 +101,7 @@ class LLMEngine:
         self.eos_token_ids: set[int] = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.eos_token_ids |= {eos} if isinstance(eos, int) else set(eos or [])
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids,
-                                            max_threads=torch.get_num_threads(), ops=self.runner.model.ops) \
+                                            max_threads=torch.get_num_threads(), mask_rows=self.runner.model.backend.mask_rows) \
             if self.tokenizer else None
         self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, max_len, config.max_logprobs, self.structured)
         self.sampler = Sampler(config.seed, self.runner.argmax, self.structured)

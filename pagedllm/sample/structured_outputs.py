@@ -16,15 +16,17 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import InvalidRequestError
-from ..platforms.cpu import Ops
 from ..sampling_params import StructuredOutputsParams
 from ..tokenizer import Tokenizer
+
+MaskRows = Callable[[torch.Tensor, torch.Tensor, list[int]], bool]  # the layer backend's grammar-mask apply
 
 log = logging.getLogger("pagedllm")
 CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped): a server sees unbounded distinct schemas
@@ -119,13 +121,14 @@ class StructuredOutputs:
     """The engine's grammar compiler: specs in, compiled grammars and per-sequence matchers out."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: set[int], max_threads: int = 2,
-                 ops: Ops | None = None) -> None:
-        """ops: the C++ kernels, whose mask_rows_ applies the masks (else xgrammar's CPU apply)."""
+                 mask_rows: MaskRows | None = None) -> None:
+        """mask_rows(logits, bitmask, rows) -> whether it applied the masks (the layer backend's; else, or when it
+        declines, xgrammar's CPU apply)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_threads = max_threads
-        self.ops = ops
+        self.mask_rows = mask_rows
         self.stats = StructuredOutputStats()
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -239,9 +242,7 @@ class StructuredOutputs:
         bitmask = self._bitmask[:logits.shape[0]]  # [R, V/32] int32, one bit per token
         for row, m in zip(rows, matchers):
             m.fill_next_token_bitmask(bitmask, row)
-        if self.ops is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-            self.ops.mask_rows_(logits, bitmask, torch.tensor(rows, dtype=torch.long))  # ~16x xgrammar's CPU apply
-        else:
+        if self.mask_rows is None or not self.mask_rows(logits, bitmask, rows):
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
         self.stats.mask_seconds += time.perf_counter() - t0
         self.stats.mask_steps += 1

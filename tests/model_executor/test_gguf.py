@@ -108,6 +108,21 @@ def test_hf_checkpoint_quantized_at_load(tiny_models, quantization: str) -> None
     assert r["mean_kl"] < bound, r
 
 
+def test_linears_of_inputs_not_whole_blocks_stay_dense_when_quantized_at_load(tiny_models, caplog) -> None:
+    """Qwen3.5's tiny conv-side projections take 16 inputs: q8_0 keeps those dense (llama.cpp's quantizer does
+    the same) instead of failing the load, and quantizes the rest."""
+    path, _ = tiny_models["qwen3.5"]
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        q = LLM(model=path, dtype="float32", num_kv_blocks=64, quantization="q8_0")
+    lins = q.engine.runner.model._linears()
+    kept = [lin for lin in lins if lin.quantizable and lin.in_features % 32]
+    assert kept and all(lin.packed.format_name == "f32" for lin in kept)
+    assert any(lin.packed.format_name == "q8_0" for lin in lins)
+    assert f"{len(kept)} linears kept dense" in caplog.text
+    out = q.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_bad_quantization_is_a_clear_error() -> None:
     from pagedllm.errors import ConfigError
 

@@ -1,5 +1,5 @@
-"""What both loaders share: the model to build, the dtype to run in, how a linear receives its
-(already sharded) weights, and packing for the C++ kernels once everything is in place."""
+"""What both loaders share: the model to build, the dtype to run in, which rows and columns of a tensor this
+rank keeps, and the checks once everything is in place (the formats are layers/weight_methods.py's choice)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from torch import nn
 from ...distributed import TPGroup, check_divisible
 from ...errors import ModelLoadError
 from ...platforms import Platform
-from ...platforms.cpu import Ops
 from ...tokenizer import Tokenizer
-from ..layers.weight_formats import quantize
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Param, Part, WeightNames, has_module, piece_sizes
@@ -104,40 +102,11 @@ def set_param(owner: nn.Module, spec: Param, w: torch.Tensor, tp: TPGroup | None
         setattr(owner, spec.attr, w)
 
 
-def set_dense(lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None) -> None:
-    lin.weight = nn.Parameter(w, requires_grad=False)
-    lin.out_features, lin.in_features = w.shape
-    if bias is not None:
-        lin.bias = nn.Parameter(bias, requires_grad=False)
-
-
 def row_parallel_bias(bias: torch.Tensor | None, spec: Linear, tp: TPGroup | None) -> torch.Tensor | None:
     """A row-parallel output is all-reduced: its bias is added once, on rank 0."""
     if bias is not None and tp is not None and spec.parallel == "row" and tp.rank:
         return torch.zeros_like(bias)
     return bias
-
-
-def quantize_linear(model: nn.Module, ops: Ops, lin: nn.Linear, w: torch.Tensor, bias: torch.Tensor | None,
-                    quantization: str) -> None:
-    """Quantize one linear at load. The output projection gets at least 8 bits (4-bit logits cost far more
-    than 4-bit layers: q4_0 everywhere measured KL 0.99 on the default model); llama.cpp's quantizer
-    likewise keeps output.weight at Q6_K or better."""
-    if lin is model.lm_head and quantization in ("q4_0", "q4_1", "q5_0", "q5_1"):
-        quantization = "q8_0"
-    model.set_packed(lin, quantize(ops, w, bias, quantization))
-
-
-def use_kernels(model: nn.Module, ops: Ops | None, tdtype: torch.dtype, device: str) -> None:
-    """Pack what is still dense for the C++ kernels (bf16 or fp32 panels), then keep activations, norms,
-    embeddings and the residual stream in fp32; without kernels the model runs in tdtype on torch, on the
-    platform's device."""
-    if ops is not None:
-        model.set_ops(ops, tdtype)
-        model.float()
-    else:
-        model.to(device=device, dtype=tdtype)
-    model.device = device
 
 
 def check_complete(model: nn.Module, path: Path) -> None:

@@ -21,8 +21,9 @@ from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...platforms import current_platform
 from ...tokenizer import Tokenizer
-from ..layers.formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat, format_of_ggml
-from ..layers.weight_formats import GGMLWeight, block_bytes_of, repack_experts
+from ..layers.formats import FORMATS, WeightFormat, format_of_ggml
+from ..layers.weight_formats import block_bytes_of
+from ..layers.weight_methods import WeightMethods
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Part
 from .base import (
@@ -31,14 +32,11 @@ from .base import (
     check_complete,
     layer_linears,
     model_class,
-    quantize_linear,
     resolve_dtype,
     row_parallel_bias,
-    set_dense,
     set_param,
     shard_cols,
     shard_rows,
-    use_kernels,
 )
 
 log = logging.getLogger("pagedllm")
@@ -231,9 +229,8 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     cfg = cls.config_from_hf(raw)
     platform = current_platform(device)
     tdtype = resolve_dtype(dtype, raw, platform)
-    ops = platform.kernels(tdtype)
-    native = ops is not None and quantization is None
-    if quantization is None and ops is None:
+    methods = WeightMethods(platform.kernels(tdtype), tdtype, quantization)
+    if quantization is None and not methods.blocks_in_place:
         log.warning("no C++ kernels: the GGUF's quantized weights are dequantized to %s", tdtype)
     tok_meta = {k: v for k, v in f.meta.items() if k.startswith("tokenizer.")}
     try:
@@ -264,7 +261,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     def experts_packed(name: str, fmt) -> list[torch.Tensor] | None:
         """A 3-D tensor of experts repacked once, in one buffer (its file pages then dropped); None: not here."""
         if name not in packed_experts:  # (the views share the model's buffers: the dict holds no extra memory)
-            packed_experts[name] = repack_experts(ops, f.blocks(name), fmt)
+            packed_experts[name] = methods.experts(f.blocks(name), fmt)
             if packed_experts[name] is not None:
                 f.release(name)
         return packed_experts[name]
@@ -280,29 +277,25 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         cols = [cols_of(spec, name) for _, name in parts]
         in_features = lin.in_features if cols[0] is None else cols[0][1] - cols[0][0]
         fmts = [f.fmt(name) for _, name in parts]
-        if native and all(m is not None and m.name in GGML_KERNEL_FORMATS and in_features % m.block_weights == 0
-                          for m in fmts):
+        if methods.runs_blocks(fmts, in_features):
             stacked = [experts_packed(name, m) if expert is not None and r is None and c is None else None
                        for (_, name), m, c, r in zip(parts, fmts, cols, rows)]
             blocks = [(s[expert] if s is not None else f.blocks(name, r, c, expert), m)
                       for (_, name), m, c, r, s in zip(parts, fmts, cols, rows, stacked)]
             prepacked = [int(f.by_name[name].shape[1]) if s is not None else None for (_, name), s in zip(parts, stacked)]
-            weight = GGMLWeight(ops, blocks, in_features, bias, prepacked)
+            weight = methods.blocks(blocks, in_features, bias, prepacked)
             for (_, name), repacked, s in zip(parts, weight.repacked, stacked):
                 if repacked and s is None:
                     f.release(name, expert)
-            model.set_packed(lin, weight)
-            if bias is not None:  # the packed weight adds it; the module keeps it as the checkpoint's tensor
-                lin.bias = nn.Parameter(bias, requires_grad=False)
+            methods.set_blocks(model, lin, weight, bias)
             return
         for (_, name), m in zip(parts, fmts):
-            if native and (m is None or m.name not in GGML_KERNEL_FORMATS) and m not in _DENSE:
+            if methods.blocks_in_place and not methods.runs_blocks([m], in_features) and m not in _DENSE:
                 key = f.by_name[name].tensor_type.name
                 dequantized[key] = dequantized.get(key, 0) + 1
         w = torch.cat([f.dense(name, r, c, expert) for (_, name), c, r in zip(parts, cols, rows)])
-        set_dense(lin, w, bias)
-        if quantization not in (None, "none") and lin.quantizable:
-            quantize_linear(model, ops, lin, w, bias, quantization)
+        methods.set_dense(lin, w, bias)
+        methods.quantize(model, lin)  # now, one linear at a time: dense fp32 copies never pile up
 
     def param(module: nn.Module, name: str) -> None:
         module.weight = nn.Parameter(f.dense(name), requires_grad=False)
@@ -310,18 +303,16 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     embed, embed_name = getattr(model, wn.embed.attr), wn.embed.gguf + ".weight"
     head = getattr(model, wn.lm_head.attr)
     embed_fmt = f.fmt(embed_name)
-    if native and embed_fmt is not None and embed_fmt.name in GGML_KERNEL_FORMATS:
+    if methods.runs_blocks([embed_fmt], cfg.hidden_size):
         embed.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-        model.embed_packed = GGMLWeight(ops, [(f.blocks(embed_name, rows_of(None, None, embed_name)), embed_fmt)],
-                                        cfg.hidden_size)
+        model.embed_packed = methods.blocks([(f.blocks(embed_name, rows_of(None, None, embed_name)), embed_fmt)],
+                                            cfg.hidden_size, None)
         if model.embed_packed.repacked[0]:
             f.release(embed_name)
     else:
         embed.weight = nn.Parameter(f.dense(embed_name, rows_of(None, None, embed_name)), requires_grad=False)
     if cfg.tie_word_embeddings:
-        model.tie_lm_head()
-        if model.embed_packed is None and quantization not in (None, "none"):
-            quantize_linear(model, ops, head, embed.weight.data, None, quantization)
+        model.tie_lm_head()  # a dense table is quantized for it in process(), where the load asks
     else:
         linear(head, wn.lm_head, "")
     param(getattr(model, wn.norm.attr), wn.norm.gguf + ".weight")
@@ -344,7 +335,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)
-    use_kernels(model, ops, tdtype, platform.device)
+    methods.process(model, platform.device)
     f.drop_metadata()
     model.gguf = f  # keeps the map (the weights used in place) alive as long as the model
     return LoadedModel(model, cfg, tok, path.stem, path, tdtype)

@@ -13,7 +13,8 @@ from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ...platforms import current_platform
 from ...tokenizer import Tokenizer
-from ..layers.weight_formats import BlockRows, GGMLWeight
+from ..layers.weight_formats import BlockRows
+from ..layers.weight_methods import WeightMethods
 from ..models.registry import ModelRegistry
 from .base import (
     LoadedModel,
@@ -21,14 +22,11 @@ from .base import (
     check_complete,
     layer_linears,
     model_class,
-    quantize_linear,
     resolve_dtype,
     row_parallel_bias,
-    set_dense,
     set_param,
     shard_cols,
     shard_rows,
-    use_kernels,
 )
 
 log = logging.getLogger("pagedllm")
@@ -63,7 +61,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     if lm_head_name not in sd:
         cfg.tie_word_embeddings = True
 
-    ops = platform.kernels(tdtype)
+    methods = WeightMethods(platform.kernels(tdtype), tdtype, quantization)
     blocks_dequantized = 0
 
     def linear(owner: torch.nn.Module, spec, prefix: str) -> None:
@@ -85,15 +83,14 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
                 bs.append(b if rows is None else b[torch.from_numpy(rows)])
         bias = row_parallel_bias(torch.cat(bs).to(tdtype) if bs else None, spec, tp)
         lin = owner.get_submodule(spec.attr)
-        if all(isinstance(w, BlockRows) for w in ws) and ops is not None and quantization is None:
-            model.set_packed(lin, GGMLWeight(ops, [(w.data, w.fmt) for w in ws], ws[0].in_features, bias))
-            if bias is not None:  # the packed weight adds it; the module keeps it as the checkpoint's tensor
-                lin.bias = torch.nn.Parameter(bias, requires_grad=False)
+        if methods.runs_blocks([w.fmt if isinstance(w, BlockRows) else None for w in ws], ws[0].shape[1]):
+            methods.set_blocks(model, lin, methods.blocks([(w.data, w.fmt) for w in ws], ws[0].in_features, bias),
+                               bias)
             return
         if any(isinstance(w, BlockRows) for w in ws):
             blocks_dequantized += 1
             ws = [w.dequantize() if isinstance(w, BlockRows) else w for w in ws]
-        set_dense(lin, torch.cat(ws).to(tdtype), bias)
+        methods.set_dense(lin, torch.cat(ws).to(tdtype), bias)
 
     def param(owner: torch.nn.Module, attr: str, name: str, vocab_rows: bool = False) -> None:
         w = take(name)
@@ -123,12 +120,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)
-    if quantization not in (None, "none"):
-        if ops is None:
-            raise ModelLoadError(f"quantization={quantization!r} needs the C++ kernels (and dtype float32 or bfloat16)")
-        for lin in [lin for lin in model._linears() if lin.quantizable and lin.packed is None]:
-            quantize_linear(model, ops, lin, lin.weight.data, lin.bias.data if lin.bias is not None else None, quantization)
-    use_kernels(model, ops, tdtype, platform.device)
+    methods.process(model, platform.device)
     eos = raw.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():
