@@ -4,6 +4,7 @@ and their calls parsed, structured outputs, choices out whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,6 +14,8 @@ from fastapi.responses import StreamingResponse
 
 from ...errors import InvalidRequestError
 from ...sample.structured_outputs import validate_json_schema
+from .harmony import HarmonyStream, is_harmony
+from .harmony import split as harmony_split
 from .protocol import CHAT_NOOPS, ChatCompletionRequest
 from .reasoning import ReasoningStream
 from .serving import APIError, Serving, json_off_loop, sampling, sse, stream_error, token_str, usage
@@ -52,10 +55,11 @@ def render_chat(e, req: ChatCompletionRequest, tools: list[dict]) -> dict:  # a 
     return {"prompt": text, "prompt_token_ids": e.tokenizer.encode(text, add_special_tokens=False,
                                                                    max_tokens=e.max_model_len)}
 
-def chat_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[list[dict], tuple[str, dict] | None]:
+def chat_tools(req: ChatCompletionRequest, fmt: ToolFormat | None) -> tuple[list[dict], tuple[str, dict] | None]:
     """(tools the model is offered, (field, output constraint)). tool_choice 'required' or a named
     function is enforced by a structural tag over the tools' parameter schemas; 'auto' lets the model
-    choose, and a call it begins must be a valid one."""
+    choose, and a call it begins must be a valid one. fmt None: a Harmony model, whose calls are channel messages
+    (no structural tag for them yet: 'auto' only)."""
     try:
         given = req.structured_spec()
     except ValueError as ex:
@@ -72,6 +76,11 @@ def chat_tools(req: ChatCompletionRequest, fmt: ToolFormat) -> tuple[list[dict],
         raise APIError(400, str(ex), param="tools") from ex
     if choice == "none" or not tools:
         return [], given
+    if fmt is None:
+        if choice != "auto":
+            raise APIError(400, "tool_choice 'required' or a named function is not supported for Harmony (gpt-oss) "
+                           "models yet: use 'auto'", param="tool_choice")
+        return tools, given
     if given is not None:
         if choice != "auto":
             raise APIError(400, f"tool_choice 'required' or a named function cannot be combined with {given[0]}",
@@ -89,8 +98,9 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     if req.chat_template is not None and not s.trust_request_chat_template:
         raise APIError(400, "chat_template in a request is refused: a template is a program; start the server "
                        "with --trust-request-chat-template to allow it", param="chat_template")
-    fmt = tool_format_for(req.chat_template or e.tokenizer.chat_template)
-    tools, given = chat_tools(req, fmt)
+    template = req.chat_template or e.tokenizer.chat_template
+    fmt, harmony = tool_format_for(template), is_harmony(template)
+    tools, given = chat_tools(req, None if harmony else fmt)
     try:
         prompt = await asyncio.to_thread(render_chat, e, req, tools)
     except InvalidRequestError as ex:
@@ -98,11 +108,20 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
     k = req.top_logprobs or 0
     params = sampling(req, req.max_completion_tokens or req.max_tokens, k if req.logprobs else None,
                       await s.constraint(given))
+    if harmony:  # its channels are special tokens: kept in the text, read apart below
+        params = dataclasses.replace(params, skip_special_tokens=False)
     streams = await s.submit([prompt], params, req, "chatcmpl")
     created, rid, name = int(time.time()), streams[0].request_id.rsplit("-", 1)[0], s.model_name()
 
     def message(c) -> tuple[dict, str | None]:
         text, head = c.text, {"role": "assistant"}
+        if harmony:
+            reasoning, parsed = harmony_split(c.text)
+            calls = tool_calls_message(parsed) if tools else []
+            head |= {"reasoning_content": reasoning or None, "content": parsed.content or (None if calls else "")}
+            if not calls:
+                return head, c.finish_reason
+            return head | {"tool_calls": calls}, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
         if s.reasoning is not None:  # the thought is never content, nor parsed for tool calls
             reasoning, text = s.reasoning.split(c.text)
             head["reasoning_content"] = reasoning or None
@@ -139,6 +158,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
         sent_tok = [0] * params.n
         parsers = [ToolCallStream(fmt) for _ in range(params.n)] if tools else None
         thoughts = [ReasoningStream(s.reasoning) for _ in range(params.n)] if s.reasoning is not None else None
+        channels = [HarmonyStream() for _ in range(params.n)] if harmony else None
         final = None
         try:
             async for _, o in s.merged(streams):
@@ -149,21 +169,24 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, request
                         continue
                     lp = chat_logprobs(e, new_toks, c.logprobs[sent_tok[c.index]:], k) if req.logprobs else None
                     sent_text[c.index], sent_tok[c.index] = len(c.text), len(c.token_ids)
-                    delta: dict = {}
-                    reason = c.finish_reason
-                    text = c.text
-                    if thoughts is not None:
-                        thought, new_text, text = thoughts[c.index].update(c.text, final=reason is not None)
-                        delta = {"reasoning_content": thought} if thought else {}
-                    if parsers is None:
-                        delta |= {"content": new_text} if new_text else {}
+                    reason, last = c.finish_reason, c.finish_reason is not None
+                    thought, content, calls, num_calls = "", new_text, [], 0
+                    if channels is not None:  # Harmony: channels, not tags
+                        thought, content, calls = channels[c.index].update(c.text, last)
+                        calls, num_calls = (calls, channels[c.index].calls.num_calls) if tools else ([], 0)
                     else:
-                        content, calls = parsers[c.index].update(text, final=c.finish_reason is not None)
-                        delta |= {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-                        if reason == "stop" and parsers[c.index].num_calls:
-                            reason = "tool_calls"
-                        if not delta and not reason and lp is None:
-                            continue
+                        text = c.text
+                        if thoughts is not None:
+                            thought, content, text = thoughts[c.index].update(c.text, last)
+                        if parsers is not None:
+                            content, calls = parsers[c.index].update(text, last)
+                            num_calls = parsers[c.index].num_calls
+                    delta = {**({"reasoning_content": thought} if thought else {}),
+                             **({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+                    if reason == "stop" and num_calls:
+                        reason = "tool_calls"
+                    if not delta and not reason and lp is None and (parsers is not None or channels is not None):
+                        continue
                     yield sse(head | {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                                    "finish_reason": reason}]})
                 if o.finished:

@@ -345,13 +345,17 @@ class ToolCallStream:
     """Streaming deltas of one choice: content pieces, then each call's id and name once, and its
     arguments in pieces (OpenAI's delta.tool_calls[i].function.arguments)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat | None) -> None:
+        """fmt: the syntax update() parses (None: the caller parses, update_parsed)."""
         self.fmt = fmt
         self.sent_content = 0
         self.sent: list[tuple[str, int]] = []  # per call announced: (id, arguments chars sent)
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        parsed = parse_tool_calls(text, self.fmt, final)
+        return self.update_parsed(parse_tool_calls(text, self.fmt, final))
+
+    def update_parsed(self, parsed: ParsedOutput) -> tuple[str, list[dict]]:
+        """(new content, tool-call deltas) of a cumulative parse."""
         content = parsed.content[self.sent_content:] if len(parsed.content) > self.sent_content else ""
         self.sent_content = max(self.sent_content, len(parsed.content))
         deltas = []
