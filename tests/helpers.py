@@ -116,13 +116,16 @@ def _write_config(w, c: dict) -> None:
     w.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta", 10000.0))
 
 
-def write_gguf_from_hf(hf_model, path, arch: str, names) -> None:
-    """F32 tensors in HF's row order (no interleaved rope), the config as `{arch}.*` metadata, no tokenizer."""
+def write_gguf_from_hf(hf_model, path, arch: str, names, extra=None) -> None:
+    """F32 tensors in HF's row order (no interleaved rope), the config as `{arch}.*` metadata, no tokenizer.
+    extra(writer): more metadata and tensors, before the model's."""
     from gguf import GGUFWriter
 
     c = hf_model.config
     w = GGUFWriter(str(path), arch)
     _write_config(w, c.to_dict())
+    if extra is not None:
+        extra(w)
     sd = {k: v.float().numpy() for k, v in hf_model.state_dict().items()}
     for name, t in renamed_weights(sd, names, "gguf", c.num_hidden_layers).items():
         w.add_tensor(name, t)

@@ -28,7 +28,7 @@ class Executor:
 
     def load_model(self) -> LoadedModel:
         c = self.config
-        return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry, c.device)
+        return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry, c.device, c.max_model_len)
 
     def init_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       cache_cls: type, layout: KVLayout | None = None, num_state_slots: int = 0) -> ModelRunner:
@@ -42,7 +42,7 @@ class Executor:
 
     def load_draft_model(self, model: str) -> LoadedModel:
         c = self.config
-        return load_model(model, c.dtype, c.quantization, None, c.model_registry, c.device)
+        return load_model(model, c.dtype, c.quantization, None, c.model_registry, c.device, c.max_model_len)
 
     def init_draft_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                             cache_cls: type) -> None:

@@ -94,7 +94,8 @@ def run_worker(rank: int, world: int, init_method: str, config: Any, started: An
         started.set()  # imported and about to join: the driver may wait in the rendezvous now
     tp = _init(rank, world, init_method)
     try:
-        loaded = load_model(config.model, config.dtype, config.quantization, tp=tp, registry=config.model_registry)
+        loaded = load_model(config.model, config.dtype, config.quantization, tp=tp, registry=config.model_registry,
+                            context=config.max_model_len)
         num_blocks, block_size, kv_dtype, cache_cls, layout = _broadcast(None)
         runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls, layout)
         tables: list[dict[str, list[int]]] = [{} for _ in layout.groups]

@@ -125,13 +125,53 @@ def test_phi3_stacked_tensors_from_a_gguf_generate_what_hf_does(tiny_models, tmp
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
 
 
-def test_longrope_caps_the_context_at_its_original_length(tiny_models) -> None:
-    """Phi-4-mini's LongRoPE: the short factors hold within original_max_position_embeddings; past it HF switches
-    to the long factors, which are not implemented, so the model's context is the original one."""
-    llm = LLM(model=tiny_models["phi4-mini"][0], dtype="float32", num_kv_blocks=64)
+def test_longrope_caps_the_context_at_its_original_length_unless_asked_for_more(tiny_models) -> None:
+    """Phi-4-mini's LongRoPE: by default the short factors and the original context (512 here); a longer
+    max_model_len takes the long factors for every position, which is what HF computes for a sequence past the
+    original length: greedy tokens equal HF's on a 600-token prompt."""
+    path, hf = tiny_models["phi4-mini"]
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
     assert llm.engine.runner.model.cfg.max_position_embeddings == 512
-    with pytest.raises(ConfigError, match="exceeds the model's context"):
-        LLM(model=tiny_models["phi4-mini"][0], dtype="float32", max_model_len=1024)
+    long = LLM(model=path, dtype="float32", max_model_len=1024, kv_cache_memory="64MiB", max_num_batched_tokens=256)
+    assert long.engine.max_model_len == 1024 and long.engine.runner.model.cfg.rope_scaling["long"]
+    prompt = [(7 * j + 3) % hf.config.vocab_size for j in range(600)]
+    out = long.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+    with pytest.raises(ConfigError, match="exceeds the model's context"):  # past the advertised 4,096 tokens
+        LLM(model=path, dtype="float32", max_model_len=8192)
+
+
+def test_longrope_from_a_gguf_reads_its_rope_factor_tensors(tiny_models, tmp_path) -> None:
+    """A Phi-4-mini GGUF as llama.cpp's converter writes it: the rotary dims, the original context and the attention
+    factor as metadata, the long and short factors as tensors. Short factors by default, long ones past the
+    original context, each giving HF's greedy tokens."""
+    import math
+
+    import numpy as np
+
+    from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
+
+    _, hf = tiny_models["phi4-mini"]
+    c, rope = hf.config, hf.config.rope_parameters
+
+    def longrope(w) -> None:
+        w.add_rope_dimension_count(int(c.hidden_size // c.num_attention_heads * rope["partial_rotary_factor"]))
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        scale = c.max_position_embeddings / rope["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    path = tmp_path / "phi4-mini.gguf"
+    write_gguf_from_hf(hf, path, "phi3", Phi3ForCausalLM.WEIGHTS, extra=longrope)
+    short = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert short.engine.runner.model.cfg.max_position_embeddings == 512
+    prompt = [(5 * j + 2) % c.vocab_size for j in range(40)]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert short.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+    long = LLM(model=str(path), dtype="float32", max_model_len=1024, kv_cache_memory="64MiB", max_num_batched_tokens=256)
+    prompt = [(7 * j + 3) % c.vocab_size for j in range(600)]
+    assert long.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
 
 
 @pytest.mark.parametrize("arch,gguf_arch", [("qwen3-moe", "qwen3moe"), ("mixtral", "llama"), ("olmoe", "olmoe")])

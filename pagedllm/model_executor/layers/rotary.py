@@ -83,8 +83,8 @@ def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if not s:
         return inv_freq
     kind = s.get("rope_type", s.get("type"))
-    if kind == "longrope":  # the short factors: the context is capped at original_max_position_embeddings
-        return 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * base)
+    if kind == "longrope":  # the long factors where the model chose them for a context past the original (phi3.py)
+        return 1.0 / (torch.tensor(s["long_factor" if s.get("long") else "short_factor"], dtype=torch.float32) * base)
     if kind == "linear":
         return inv_freq / s["factor"]
     if kind == "yarn":

@@ -11,6 +11,7 @@ import gc
 import hashlib
 import logging
 import mmap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +76,10 @@ def _decimal(stored: float) -> float:
     return float(str(np.float32(stored)))
 
 
-def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry | None = None) -> dict:
-    """The HF config.json a GGUF's metadata describes."""
+def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry | None = None,
+                   read: Callable[[str], torch.Tensor] | None = None) -> dict:
+    """The HF config.json a GGUF's metadata describes. read: a small tensor's values by name (LongRoPE's rope
+    factors are tensors in a GGUF, not metadata)."""
     arch = meta.get("general.architecture")
     reg = registry or default_registry()
     experts = int(meta.get(f"{arch}.expert_count") or 0)
@@ -122,6 +125,13 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
                                "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
                                "beta_fast": _decimal(g("rope.scaling.yarn_beta_fast", 32.0)),
                                "beta_slow": _decimal(g("rope.scaling.yarn_beta_slow", 1.0))}
+    if read is not None and {"rope_factors_long.weight", "rope_factors_short.weight"} <= tensor_names:
+        cfg["rope_scaling"] = {  # LongRoPE (Phi-3 128k, Phi-4-mini): as llama.cpp's converter wrote it
+            "rope_type": "longrope", "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
+            "long_factor": [_decimal(v) for v in read("rope_factors_long.weight").tolist()],
+            "short_factor": [_decimal(v) for v in read("rope_factors_short.weight").tolist()]}
+        if g("rope.scaling.attn_factor") is not None:
+            cfg["rope_scaling"]["attention_factor"] = _decimal(g("rope.scaling.attn_factor"))
     for key, hf in (("attention.sliding_window", "sliding_window"), ("final_logit_softcapping", "final_logit_softcapping"),
                     ("attn_logit_softcapping", "attn_logit_softcapping")):
         if g(key) is not None:
@@ -218,15 +228,16 @@ class GGUFTensors:
 
 
 def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
-              tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu") -> LoadedModel:
+              tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu",
+              context: int | None = None) -> LoadedModel:
     """quantization: None runs the file's formats, "none" dequantizes everything (the fp32 / bf16
     reference), a format name requantizes the dense weights into it."""
     f = GGUFTensors(path)
     names = set(f.by_name)
-    raw = gguf_hf_config(f.meta, names, registry)
+    raw = gguf_hf_config(f.meta, names, registry, f.dense)
     cls = model_class(raw, registry)
     wn = cls.WEIGHTS
-    cfg = cls.config_from_hf(raw)
+    cfg = cls.fit_context(cls.config_from_hf(raw), context)
     platform = current_platform(device)
     tdtype = resolve_dtype(dtype, raw, platform)
     methods = WeightMethods(platform.kernels(tdtype), tdtype, quantization)
@@ -343,7 +354,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
 
 def gguf_config(path: Path, registry: ModelRegistry | None = None) -> dict:
     f = GGUFTensors(path)
-    return gguf_hf_config(f.meta, set(f.by_name), registry)
+    return gguf_hf_config(f.meta, set(f.by_name), registry, f.dense)
 
 
 __all__ = ["GGUFTensors", "gguf_cache_key", "gguf_config", "gguf_hf_config", "load_gguf",

@@ -40,11 +40,12 @@ def read_config(path: Path) -> dict:
 
 
 def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None,
-                   tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu") -> LoadedModel:
+                   tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu",
+                  context: int | None = None) -> LoadedModel:
     raw = read_config(path)
     cls = model_class(raw, registry)
     names = cls.WEIGHTS
-    cfg = cls.config_from_hf(raw)
+    cfg = cls.fit_context(cls.config_from_hf(raw), context)
     platform = current_platform(device)
     tdtype = resolve_dtype(dtype, raw, platform)
     sd = _read_weights(path)

@@ -125,6 +125,12 @@ class LlamaForCausalLM(nn.Module):
         return ModelConfig.from_hf(raw)
 
     @classmethod
+    def fit_context(cls, cfg: ModelConfig, context: int | None) -> ModelConfig:
+        """The config for the context the engine was asked for (None: the model's own); a model whose rope
+        depends on it chooses here."""
+        return cfg
+
+    @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         """An HF checkpoint's tensors (in place), as the weight map names them: a family whose checkpoints
         stack tensors otherwise (gpt-oss: all experts in one) renames or slices them here, as views."""

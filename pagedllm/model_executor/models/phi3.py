@@ -3,9 +3,11 @@
 loader reads them as stacked pieces, so tensor parallelism still cuts each piece on its own.
 
 Partial rotary (Phi-4-mini: 3/4 of each head): each head's q/k dims are reordered at load so the full-width rope
-kernels rotate exactly the rotary dims (`partial_rotary_order`). LongRoPE (the 128k configs): the short factors
-and the attention factor, with the context capped at `original_max_position_embeddings` (the long factors, which
-HF switches to past it, are not implemented)."""
+kernels rotate exactly the rotary dims (`partial_rotary_order`). LongRoPE (the 128k configs), with its attention
+factor: the short factors and a context capped at `original_max_position_embeddings` by default; a max_model_len
+past it takes the long factors for every position, as llama.cpp does for a context past the original one. (HF
+switches a sequence to the long factors once it grows past the original length, so the two agree on every
+sequence longer than that, and on shorter ones when the short factors are in use.)"""
 
 from __future__ import annotations
 
@@ -48,10 +50,21 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             # the factor from the advertised context, before the cap below
             cfg.rope_scaling = {**s, "original_max_position_embeddings": original,
                                 "factor": s.get("factor") or cfg.max_position_embeddings / original}
-            if cfg.max_position_embeddings > original:
-                log.info("LongRoPE: context capped at %d tokens (the short factors; the long ones are not implemented)",
-                         original)
-                cfg.max_position_embeddings = original
+        return cfg
+
+    @classmethod
+    def fit_context(cls, cfg: ModelConfig, context: int | None) -> ModelConfig:
+        s = cfg.rope_scaling
+        if not s or s.get("rope_type", s.get("type")) != "longrope":
+            return cfg
+        original = s["original_max_position_embeddings"]
+        if context is not None and context > original:
+            log.info("LongRoPE: the long factors (max_model_len %d is past the original context, %d)", context, original)
+            cfg.rope_scaling = {**s, "long": True}
+        elif cfg.max_position_embeddings > original:
+            log.info("LongRoPE: context capped at %d tokens, the short factors (a longer max_model_len takes the "
+                     "long ones)", original)
+            cfg.max_position_embeddings = original
         return cfg
 
     def after_load(self, source: str) -> None:
