@@ -48,7 +48,7 @@ def guard(runner) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3.5"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3.5", "qwen3.5-moe", "mixtral", "gpt-oss", "phi4-mini", "olmoe"])
 def test_a_device_step_places_every_tensor_and_matches_the_cpu_kernels(tiny_models, monkeypatch, arch):
     """The torch-device platform (here on the CPU) gives HF's greedy tokens, as the C++ kernels do, and a
     step makes no tensor without naming its device."""
