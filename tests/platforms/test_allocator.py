@@ -28,4 +28,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 def test_freed_activations_are_reused_not_faulted_in_again():
     out = subprocess.run([sys.executable, "-c", LOOP], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "True"
-    assert int(out[1]) < 2000  # with glibc's defaults: ~196k (blocks mapped anew, the heap top trimmed)
+    # with glibc's defaults: ~196k (blocks mapped anew, the heap top trimmed). Kept, the heap's pages still take a
+    # few faults the kernel makes on its own (NUMA-balancing hints, huge-page collapse): once 6,656 in a full-suite
+    # run beside other work, so the bound sits an order of magnitude under the failure, not at zero
+    assert int(out[1]) < 20_000
