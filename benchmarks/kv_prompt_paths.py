@@ -1,5 +1,5 @@
 """Time to first token of one long prompt over an integer KV pool through each prompt path (SDPA over the
-sequence's dequantized blocks, or the chunk kernel), with a bf16 pool's chunk kernel beside them; the engines
+sequence's dequantized blocks, or the chunk kernel), and a bf16 pool's through the same two; the engines
 alternated round by round.
 
     .venv/bin/python benchmarks/kv_prompt_paths.py [--prompt-len 2048] [--rounds 3] [--model PATH]
@@ -23,7 +23,7 @@ def main() -> None:
     args = p.parse_args()
     engines = {}
     for name, kv, chunk in [("q8_0, chunk kernel", "q8_0", True), ("q8_0, SDPA", "q8_0", False),
-                            ("bfloat16, chunk kernel", "bfloat16", True)]:
+                            ("bfloat16, chunk kernel", "bfloat16", True), ("bfloat16, SDPA", "bfloat16", False)]:
         e = LLMEngine(EngineConfig(model=args.model, kv_cache_dtype=kv, kv_cache_memory="1GiB",
                                    max_model_len=args.prompt_len + 64, enable_prefix_caching=False))
         e.runner.chunk_op = chunk  # the path under test, whatever this CPU's default is
