@@ -70,9 +70,11 @@ def test_a_prefix_cache_hit_does_not_change_a_greedy_answer(smollm):
     their path by the rows, not the batch size): over a bf16 pool (dtype auto on CPUs with bf16 dot products)
     the first token's logprob is the same bits, and 20 repeats give the first answer. Over an fp32 pool (AVX2
     hosts) the rows left go through the paged op where the whole prompt went through SDPA: the answer is the
-    same, the logprob measured 0.026 apart on a Zen 3 (an open finding, bounded here, not hidden). With the
-    weights dequantized to fp32 (quantization="none") the two agree to 7e-7, so the attention paths are not
-    the cause; the GGML prefill panels, which round activations to bf16, are the suspect."""
+    same, the logprob measured 0.026 apart on a Zen 3 (bounded here, not hidden). With the weights dequantized
+    to fp32 (quantization="none") the two agree to 7e-7: the two attention paths differ by ~1e-7, and the GGML
+    linears, which round their activations before the block dot products, turn that into more (each GGML linear
+    is row for row the same bits in any batch, but a 1e-7 change of its input moved its output by 1.7e-3, where
+    dense fp32 weights moved 6e-6), carried through 30 layers."""
     prompt = "Question: which city is the capital of France, and which river flows through it? Answer:"
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
     first = smollm.generate([prompt], params)[0]
