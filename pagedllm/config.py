@@ -66,16 +66,16 @@ QUANTIZATIONS = (None, "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # at-loa
 
 
 def check_device(config: EngineConfig) -> None:
-    """A device name torch would parse ("cpu", "cuda", "cuda:1"); what runs only on the CPU is refused
-    elsewhere (whether the device exists is the platform's question, asked when the model loads)."""
+    """A device name torch would parse ("cpu", "cuda", "cuda:1"), and no option that runs on the CPU only beside
+    another device (whether the device exists is the platform's question, asked when the model loads)."""
     if not isinstance(config.device, str) or not re.fullmatch(r"[a-z][a-z0-9_]*(:\d+)?", config.device):
         raise ConfigError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {config.device!r}")
     if config.device == "cpu":
         return
-    for name, off in (("tensor_parallel_size > 1", config.tensor_parallel_size == 1),
-                      ("kv_offload_dir", config.kv_offload_dir is None)):
-        if not off:
-            raise ConfigError(f"{name} runs on the CPU only; device={config.device!r} cannot use it")
+    cpu_only = [name for name, used in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                        ("kv_offload_dir", config.kv_offload_dir is not None)) if used]
+    if cpu_only:
+        raise ConfigError(f"{cpu_only[0]} runs on the CPU only; device={config.device!r} cannot use it")
 
 
 @dataclass

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 
 from .tool_calls import ParsedCall, ParsedOutput, ToolCallStream
+from .tool_calls import _held as held_back
 
 MESSAGE, START = "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -38,10 +39,7 @@ class Message:
 
 def _held(text: str) -> int:
     """Length of text's longest suffix that could be the start of a marker (held back while streaming)."""
-    for k in range(min(max(map(len, MARKERS)) - 1, len(text)), 0, -1):
-        if any(m.startswith(text[-k:]) for m in MARKERS):
-            return k
-    return 0
+    return max(held_back(text, m) for m in MARKERS)
 
 
 def messages(text: str, final: bool) -> list[Message]:
