@@ -81,6 +81,7 @@ class AttentionMetadata:
     # per layer, when the layout has several groups: the metadata over that layer's group's tables
     layer_meta: list[AttentionMetadata] | None = field(default=None, repr=False)
     state_seqs: list = field(default_factory=list)  # linear-attention layers' sequences (gated_delta_net.StateSeq)
+    device_rows: object | None = None  # every row for a device's kernels (triton_ops.attention.StepRows)
 
     def for_layer(self, index: int) -> AttentionMetadata:
         return self if self.layer_meta is None else self.layer_meta[index]
@@ -261,10 +262,12 @@ class MetadataBuilder:
     (the op's rows first), which the runner follows."""
 
     def __init__(self, block_size: int, sliding_window: int | None, op: Callable | None, chunk_op: bool,
-                 device: torch.device | str = "cpu") -> None:
-        """device: where the torch paths read the metadata (the pool's); the C++ ops' run on the CPU only."""
+                 device: torch.device | str = "cpu", all_rows: bool = False) -> None:
+        """device: where the torch paths and a device's kernels read the metadata (the pool's); the C++ ops' run
+        on the CPU only. all_rows: the op takes every row of the step (a device's kernels: triton_ops), decodes
+        first, then speculative rows, then prompt rows."""
         self.block_size, self.sliding_window, self.device = block_size, sliding_window, torch.device(device)
-        self.op, self.chunk_op = op, chunk_op
+        self.op, self.chunk_op, self.all_rows = op, chunk_op, all_rows
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if chunk_op else PAGED_CHUNK_MAX
 
     def kind(self, num_new: int, start: int, num_prompt_tokens: int, num_spec: int) -> int:
@@ -277,6 +280,8 @@ class MetadataBuilder:
         speculative rows take the op), so a hit does not change how a prompt's last row is computed."""
         if num_new == 1 and start >= num_prompt_tokens:
             return 0
+        if self.all_rows and self.op is not None:
+            return 1 if num_spec else 2
         if start:
             short = num_new < self.paged_chunk_max and (num_spec > 0 or not self.chunk_op)
             if self.op is not None and short:
@@ -318,7 +323,11 @@ class MetadataBuilder:
                                  num_decode_rows=self._decode_rows,
                                  prefills=self._prefills, sliding_window=self.sliding_window, op=self.op,
                                  decode_ctx_lens=self._dec_lens)
-        if self.op is not None and self._paged_meta:
+        if self.all_rows and self.op is not None:
+            from .triton_ops.backend import device_rows
+
+            meta.device_rows = device_rows(self._paged_tables, self._paged_meta, meta.num_decodes, self.device)
+        elif self.op is not None and self._paged_meta:
             row_seq = [i for i, (_, n, _) in enumerate(self._paged_meta) for _ in range(n)]
             meta.paged = PagedRows(len(row_seq), _padded(self._paged_tables), torch.tensor(row_seq),
                                    *(torch.tensor(v) for v in zip(*self._paged_meta)))

@@ -1,0 +1,65 @@
+"""The Triton backend: the torch reference's layer compute (GEMMs through torch, i.e. cuBLAS on a GPU), with
+the K/V write, attention over the pool and RMSNorm + residual in Triton kernels. Every row of a step goes to the
+kernels (the metadata builder gives them all, `all_rows`); pools the kernels do not read (q8_0 / q4_0) take the
+torch reference's path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..attention import AttentionMetadata
+from ..kv_cache import KVCache
+from ..layers.backends import TorchReference, rotate_half
+from .attention import StepRows, attend
+from .kv_write import write_kv
+from .norm import rms_norm
+
+
+class TritonKernels(TorchReference):
+    name = "triton"
+    all_rows = True  # the metadata builder hands every row to the kernels
+
+    def __init__(self, programs: int) -> None:
+        self.programs = programs  # the device's parallel units (x2), for the decode split
+
+    def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
+        from ..kv_quant import IntKVCache
+
+        return (None, False) if isinstance(cache, IntKVCache) else (attend, False)
+
+    def rms_norm(self, weight: torch.Tensor, eps: float, x: torch.Tensor,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(weight, eps, x, residual)
+
+    def attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int, cache: KVCache, meta: AttentionMetadata, scale: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        rows = meta.device_rows
+        if rows is None:  # a pool the kernels do not read
+            return super().attention(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, meta, scale, sinks)
+        t = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = q.view(t, num_heads, head_dim)
+        k = k.view(t, num_kv_heads, head_dim)
+        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
+        k = k * cos + rotate_half(k) * sin
+        k_scale = getattr(cache, "k_scale", None)
+        v_scale = getattr(cache, "v_scale", None)
+        write_kv(cache.k, cache.v, meta.slot_mapping, k, v.view(t, num_kv_heads, head_dim), k_scale, v_scale)
+        out = torch.empty_like(q)
+        attend(out, q, cache.k, cache.v, rows, scale, meta.sliding_window, sinks, k_scale, v_scale, self.programs)
+        return out
+
+
+def device_rows(tables: list[list[int]], meta: list[tuple[int, int, int]], num_decodes: int,
+                device: torch.device) -> StepRows:
+    """StepRows from the builder's per-sequence lists: block tables and (q_start, q_len, ctx_len)."""
+    width = max(len(t) for t in tables)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    cols = torch.tensor(meta, dtype=torch.int32).T.contiguous()  # [3, S]
+    tab, cols = tab.to(device, non_blocking=True), cols.to(device, non_blocking=True)
+    q_lens = [n for _, n, _ in meta[num_decodes:]]
+    ctx = [c for _, _, c in meta[:num_decodes]]
+    return StepRows(tab, cols[0], cols[1], cols[2], num_decodes, max(q_lens, default=0), max(ctx, default=0))

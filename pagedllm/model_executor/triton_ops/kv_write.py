@@ -1,0 +1,62 @@
+"""New tokens' K and V into their pool slots, one program per (token, KV head).
+
+Pool layout: [num_blocks, block_size, KVH, D]; slot = block * block_size + offset, so a slot's head vector starts
+at (slot * KVH + head) * D. An fp8 pool gets the scale kv_quant.quantize computes: amax / fp8 max, clamped at
+1e-30 and rounded to bf16 before the division, stored beside the pool [num_blocks, block_size, KVH].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _quantize_store(x, pool, scales, slot, h, d, dm, KVH: tl.constexpr, D: tl.constexpr, FMAX: tl.constexpr,
+                    E5M2: tl.constexpr):
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.where(dm, tl.abs(xf), 0.0), axis=0)
+    s = tl.maximum(amax / FMAX, 1e-30).to(tl.bfloat16)
+    tl.store(scales + slot * KVH + h, s)
+    y = tl.minimum(tl.maximum(xf / s.to(tl.float32), -FMAX), FMAX)
+    if E5M2:
+        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(pool + (slot * KVH + h) * D + d, q, mask=dm)
+
+
+@triton.jit
+def _write_kv(k, v, k_pool, v_pool, k_scale, v_scale, slots, stride_kt, stride_kh, stride_vt, stride_vh,
+              KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr,
+              E5M2: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    kx = tl.load(k + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
+    vx = tl.load(v + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
+    if FP8:
+        _quantize_store(kx, k_pool, k_scale, slot, h, d, dm, KVH, D, FMAX, E5M2)
+        _quantize_store(vx, v_pool, v_scale, slot, h, d, dm, KVH, D, FMAX, E5M2)
+    else:
+        dst = (slot * KVH + h) * D + d
+        tl.store(k_pool + dst, kx.to(k_pool.dtype.element_ty), mask=dm)
+        tl.store(v_pool + dst, vx.to(v_pool.dtype.element_ty), mask=dm)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k, v: [T, KVH, D] (head rows contiguous) into the pools [NB, BS, KVH, D] at slots [T]. With scales the
+    pools are fp8 (e4m3fn or e5m2) and the scales [NB, BS, KVH] bf16."""
+    t, kvh, d = k.shape
+    if t == 0:
+        return
+    fp8 = k_scale is not None
+    e5m2 = k_pool.dtype == torch.float8_e5m2
+    fmax = torch.finfo(k_pool.dtype).max if fp8 else 0.0
+    kp, vp = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
+    _write_kv[(t, kvh)](k, v, kp, vp, k_scale, v_scale, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                        kvh, d, triton.next_power_of_2(d), fp8, fmax, e5m2)
