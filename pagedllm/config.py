@@ -70,7 +70,7 @@ def check_device(config: EngineConfig) -> None:
     another device (whether the device exists is the platform's question, asked when the model loads)."""
     if not isinstance(config.device, str) or not re.fullmatch(r"[a-z][a-z0-9_]*(:\d+)?", config.device):
         raise ConfigError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {config.device!r}")
-    if config.device == "cpu":
+    if config.device == "cpu" and config.attention_backend != "triton":
         return
     cpu_only = [name for name, used in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
                                         ("kv_offload_dir", config.kv_offload_dir is not None)) if used]
@@ -107,7 +107,10 @@ class EngineConfig:
     kv_offload_dir: str | None = None  # the prefix cache's disk tier (engine/kv_offload.py); None: none
     kv_offload_bytes: int | str = "16GiB"  # its budget on disk (least recently used blocks go first)
     model_registry: Any = None  # a ModelRegistry with architectures of one's own (None: the built-in ones)
-    device: str = "cpu"  # a torch device ("cuda", "cuda:1"): the model and its KV pool there (platforms/)
+    # a torch device ("cpu", "cuda", "cuda:1"): the model and its KV pool there (platforms/); auto: a GPU if torch
+    # sees one, else the CPU
+    device: str = "auto"
+    attention_backend: str = "auto"  # auto (C++ on the CPU, Triton on a GPU), torch (reference), triton (any device)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -133,7 +136,16 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be 'recompute' or 'reserve', got {self.preemption_mode!r}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+        from .platforms import ATTENTION_BACKENDS, resolve_device
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        tp = isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size > 1
+        if isinstance(self.device, str):
+            self.device = resolve_device(self.device, cpu_only=tp or self.kv_offload_dir is not None)
         check_device(self)
+        if tp and self.attention_backend != "auto":
+            raise ConfigError("tensor parallelism runs the CPU's kernels: leave attention_backend at auto")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
             if self.device == "cpu" and self.kv_cache_memory > host_available_memory():  # before a model loads or a port is bound

@@ -18,6 +18,7 @@ from ..platforms import current_platform
 log = logging.getLogger("pagedllm")
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+DEFAULT_GPU_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,13 +47,24 @@ def kv_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dty
     return FP8KVCache.storage_dtype(kv_cache_dtype), FP8KVCache
 
 
-def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
+def num_blocks_for(config: EngineConfig, bytes_per_block: int, activation_bytes: int | None = None) -> int:
+    """activation_bytes: the profiling forward's peak on a device that measures it (a GPU): the budget is then
+    vLLM's, memory_utilization (default 0.9) of the device's memory less the weights and that peak; elsewhere
+    memory_utilization of the memory left, or 2 GiB when nothing is set."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    platform = current_platform(config.device, config.attention_backend)
+    gpu_budget = None
+    if config.kv_cache_memory is None and activation_bytes is not None:
+        gpu_budget = platform.kv_budget(config.memory_utilization or DEFAULT_GPU_UTILIZATION, activation_bytes)
     if config.kv_cache_memory is not None:
         budget = parse_size(config.kv_cache_memory)
+    elif gpu_budget is not None:
+        budget = gpu_budget
+        log.info("KV budget %.2f GiB: %.2f of the device's memory less the weights and %.2f GiB of activations",
+                 budget / 2**30, config.memory_utilization or DEFAULT_GPU_UTILIZATION, activation_bytes / 2**30)
     elif config.memory_utilization is not None:
-        budget = int(current_platform(config.device).available_memory_bytes() * config.memory_utilization)
+        budget = int(platform.available_memory_bytes() * config.memory_utilization)
     else:
         budget = DEFAULT_KV_CACHE_MEMORY
     n = budget // bytes_per_block
@@ -61,10 +73,11 @@ def num_blocks_for(config: EngineConfig, bytes_per_block: int) -> int:
     return n
 
 
-def check_fits_in_memory(num_blocks: int, bytes_per_block: int, device: str = "cpu") -> None:
+def check_fits_in_memory(num_blocks: int, bytes_per_block: int, device: str = "cpu",
+                         attention_backend: str = "auto") -> None:
     """A pool larger than the memory there is would be zero-filled until the OOM killer ends the
     process (a shared host's global OOM): refused here, with the figures."""
-    need, have = num_blocks * bytes_per_block, current_platform(device).available_memory_bytes()
+    need, have = num_blocks * bytes_per_block, current_platform(device, attention_backend).available_memory_bytes()
     if need > have:
         raise ConfigError(f"the KV pool needs {need / 2**30:.2f} GiB ({num_blocks} blocks x {bytes_per_block} "
                           f"bytes) but only {have / 2**30:.2f} GiB of memory is available; lower "
@@ -72,7 +85,8 @@ def check_fits_in_memory(num_blocks: int, bytes_per_block: int, device: str = "c
 
 
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype, specs: list[KVSpec],
-                 draft_specs: list[KVSpec] | None = None, layout: KVLayout | None = None) -> KVPoolSize:
+                 draft_specs: list[KVSpec] | None = None, layout: KVLayout | None = None,
+                 activation_bytes: int | None = None) -> KVPoolSize:
     """specs: the model's layers as this rank holds them (each rank holds its heads' share of every block);
     draft_specs: a draft model's, whose pool mirrors the target's block for block; layout: how the layers
     share blocks (None: one group, a block holds a token range of every layer). A block is one page of
@@ -92,8 +106,8 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
     bytes_per_token += sum(cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in draft_specs or []
                            if s is not None)
     bytes_per_block = bytes_per_token * bs
-    num_blocks = num_blocks_for(config, bytes_per_block)
-    check_fits_in_memory(num_blocks, bytes_per_block, config.device)
+    num_blocks = num_blocks_for(config, bytes_per_block, activation_bytes)
+    check_fits_in_memory(num_blocks, bytes_per_block, config.device, config.attention_backend)
     model_max = mc.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context ({model_max})")

@@ -64,7 +64,7 @@ class LLMEngine:
         if draft is not None and layout.groups[0].sliding_window is not None:  # the draft mirrors the first group
             layout = plan_kv_layout(specs, hybrid=False)
         size = size_kv_pool(config, mc, loaded.dtype, specs, draft.model.kv_specs() if draft is not None else None,
-                            layout)
+                            layout, self.executor.profile_activations(loaded.model))
         num_blocks, bs, kv_dtype, cache_cls = size.num_blocks, size.block_size, size.kv_dtype, size.cache_cls
         self.max_model_len = max_len = size.max_model_len
         self.kv_bytes_per_token, self.bytes_per_block = size.bytes_per_token, size.bytes_per_block

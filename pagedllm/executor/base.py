@@ -13,7 +13,7 @@ from ..core.kv_spec import KVLayout
 from ..core.scheduler import SchedulerOutput
 from ..distributed import TPGroup
 from ..model_executor.model_loader import LoadedModel, load_model
-from ..model_executor.model_runner import Batch, ModelRunner, StepResult, Tables
+from ..model_executor.model_runner import Batch, ModelRunner, StepResult, Tables, profile_forward
 
 
 class Executor:
@@ -28,7 +28,20 @@ class Executor:
 
     def load_model(self) -> LoadedModel:
         c = self.config
-        return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry, c.device, c.max_model_len)
+        return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry, c.device, c.max_model_len,
+                          c.attention_backend)
+
+    def profile_activations(self, model: torch.nn.Module) -> int | None:
+        """Peak bytes of a forward at the largest step (model_runner.profile_forward) where the device counts
+        them (a GPU); None elsewhere."""
+        from ..platforms import current_platform
+
+        c = self.config
+        if c.device == "cpu" or c.num_kv_blocks is not None or c.kv_cache_memory is not None:
+            return None
+        platform = current_platform(c.device, c.attention_backend)
+        return platform.peak_bytes(lambda: profile_forward(model, c.max_num_batched_tokens, c.max_num_seqs,
+                                                           c.block_size))
 
     def init_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       cache_cls: type, layout: KVLayout | None = None, num_state_slots: int = 0) -> ModelRunner:
@@ -42,7 +55,8 @@ class Executor:
 
     def load_draft_model(self, model: str) -> LoadedModel:
         c = self.config
-        return load_model(model, c.dtype, c.quantization, None, c.model_registry, c.device, c.max_model_len)
+        return load_model(model, c.dtype, c.quantization, None, c.model_registry, c.device, c.max_model_len,
+                          c.attention_backend)
 
     def init_draft_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                             cache_cls: type) -> None:

@@ -165,3 +165,22 @@ class ModelRunner:
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long, device=dev))
         return StepResult(logits.cpu(), sampled, num_rows)  # sampled on the host
+
+
+def profile_forward(model: nn.Module, num_tokens: int, num_seqs: int, block_size: int) -> None:
+    """One step at the largest batch a step can hold: num_tokens prompt tokens over up to num_seqs fresh
+    sequences, each sampling (the profiling forward whose peak the KV budget leaves room for on a GPU), over a
+    pool of just their blocks, freed when it returns."""
+    seqs = max(1, min(num_seqs, num_tokens))
+    lens = [num_tokens // seqs + (i < num_tokens % seqs) for i in range(seqs)]
+    stateful = getattr(model, "has_state", False)
+    runner = ModelRunner(model, sum(-(-n // block_size) for n in lens), block_size,
+                         model.embed_tokens.weight.dtype, num_state_slots=seqs if stateful else 0)
+    items, tables, nxt = [], {}, 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[str(i)] = list(range(nxt, nxt + nb))
+        nxt += nb
+        items.append(BatchItem(str(i), 0, [0] * n, n, state_slot=i if stateful else None))
+    with torch.inference_mode():
+        runner.execute_batch(Batch(items), [tables])

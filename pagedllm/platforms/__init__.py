@@ -1,8 +1,9 @@
 """Platforms: the device a model runs on, the memory it has for the KV pool, and the kernels built for it.
 The one place device and instruction-set questions are answered; nothing above branches on them.
 
-`current_platform(device)`: the CPU (`CpuPlatform`, platforms/cpu.py: the C++ kernels) or another torch device
-(`TorchDevicePlatform`, platforms/torch_device.py: the torch reference backend there). A platform answers where
+`current_platform(device, attention_backend)`: the CPU (`CpuPlatform`, platforms/cpu.py: the C++ kernels), a GPU
+with the Triton kernels (`TritonPlatform`, platforms/triton.py; on the CPU: Triton's interpreter), or any torch
+device on the torch reference backend (`TorchDevicePlatform`, platforms/torch_device.py). A platform answers where
 tensors live (`device`), the memory the KV pool may take, the kernels for a dtype and what `dtype="auto"` picks.
 This module stays torch-free until a platform is asked for: the control plane reads memory through it."""
 
@@ -18,10 +19,17 @@ if TYPE_CHECKING:
 
 
 Platform = Union["CpuPlatform", "TorchDevicePlatform"]
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def current_platform(device: str = "cpu") -> Platform:
-    if device == "cpu":
+def current_platform(device: str = "cpu", attention_backend: str = "auto") -> Platform:
+    """attention_backend: auto (the CPU's C++ kernels, Triton on a GPU), torch (the reference backend on any
+    device), triton (the Triton kernels on any device; on the CPU in Triton's interpreter)."""
+    if attention_backend == "triton" or (attention_backend == "auto" and device != "cpu" and _gpu(device)):
+        from .triton import TritonPlatform
+
+        return TritonPlatform(device)
+    if device == "cpu" and attention_backend == "auto":
         from .cpu import CpuPlatform
 
         return CpuPlatform()
@@ -30,4 +38,20 @@ def current_platform(device: str = "cpu") -> Platform:
     return TorchDevicePlatform(device)
 
 
-__all__ = ["Platform", "current_platform", "host_available_memory"]
+def _gpu(device: str) -> bool:
+    return device.split(":")[0] == "cuda"  # CUDA and ROCm builds both name their GPUs "cuda"
+
+
+def resolve_device(device: str, cpu_only: bool = False) -> str:
+    """device "auto": the GPU where torch sees one (unless an option that runs on the CPU only is asked for),
+    else the CPU; any other name as given."""
+    if device != "auto":
+        return device
+    if cpu_only:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+__all__ = ["ATTENTION_BACKENDS", "Platform", "current_platform", "host_available_memory", "resolve_device"]

@@ -26,14 +26,45 @@ class TorchDevicePlatform:
     def available_memory_bytes(self) -> int:
         """Free device memory (the KV budget's base for memory_utilization)."""
         dev = torch.device(self.device)
+        if dev.type == "cpu":
+            from .memory import host_available_memory
+
+            return host_available_memory()
         module = getattr(torch, dev.type)
         if hasattr(module, "mem_get_info"):
             return int(module.mem_get_info(dev)[0])
         raise ConfigError(f"device {self.device!r} does not report its free memory: size the KV pool with "
                           "kv_cache_memory or num_kv_blocks")
 
+    def kv_budget(self, utilization: float, activation_bytes: int) -> int | None:
+        """vLLM's gpu_memory_utilization: weights (already here) + peak activations + KV <= utilization x the
+        device's memory; None where the device reports no totals."""
+        dev = torch.device(self.device)
+        module = getattr(torch, dev.type)
+        if dev.type == "cpu" or not hasattr(module, "mem_get_info"):
+            return None
+        free, total = module.mem_get_info(dev)
+        return int(utilization * total) - (total - free) - activation_bytes
+
+    def peak_bytes(self, run) -> int | None:
+        """Memory a call takes at its peak beyond what is allocated before it (the profiling forward); None
+        where the device keeps no such statistics."""
+        dev = torch.device(self.device)
+        module = getattr(torch, dev.type)
+        if dev.type == "cpu" or not hasattr(module, "max_memory_allocated"):
+            return None
+        module.synchronize(dev)
+        module.reset_peak_memory_stats(dev)
+        before = module.memory_allocated(dev)
+        run()
+        module.synchronize(dev)
+        return module.max_memory_allocated(dev) - before
+
     def kernels(self, dtype: torch.dtype) -> None:
         return None  # the torch reference backend
+
+    def backend(self) -> None:
+        return None  # the torch reference, the model's own
 
     def auto_dtype(self) -> tuple[torch.dtype, str]:
         return torch.bfloat16, f"{self.device} runs bf16 matmuls natively"

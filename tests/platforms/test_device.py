@@ -60,7 +60,7 @@ def test_a_device_step_places_every_tensor_and_matches_the_cpu_kernels(tiny_mode
 
     import pagedllm.model_executor.model_loader.hf as hf
 
-    monkeypatch.setattr(hf, "current_platform", lambda device: TorchDevicePlatform(device))
+    monkeypatch.setattr(hf, "current_platform", lambda device, backend="auto": TorchDevicePlatform(device))
     llm = LLM(model=path, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=16, device="cpu")
     runner = llm.engine.runner
     assert runner.model.backend.__class__.__name__ == "TorchReference"
@@ -74,7 +74,7 @@ def test_a_device_step_places_every_tensor_and_matches_the_cpu_kernels(tiny_mode
 def test_an_fp8_pool_on_a_device_places_every_tensor(llama_dir, monkeypatch):
     import pagedllm.model_executor.model_loader.hf as hf
 
-    monkeypatch.setattr(hf, "current_platform", lambda device: TorchDevicePlatform(device))
+    monkeypatch.setattr(hf, "current_platform", lambda device, backend="auto": TorchDevicePlatform(device))
     llm = LLM(model=llama_dir, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=16,
               kv_cache_dtype="fp8_e4m3", device="cpu")
     runner = llm.engine.runner

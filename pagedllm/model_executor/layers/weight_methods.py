@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import ModelLoadError
+from ...platforms import Platform
 from ...platforms.cpu import Ops
 from .formats import FORMATS, GGML_KERNEL_FORMATS, WeightFormat
 from .weight_formats import GGMLWeight, quantize, repack_experts
@@ -79,11 +80,11 @@ class WeightMethods:
         bias = lin.bias.data if lin.bias is not None else None
         model.set_packed(lin, quantize(self.ops, lin.weight.data, bias, fmt))
 
-    def process(self, model: nn.Module, device: str) -> None:
+    def process(self, model: nn.Module, platform: Platform) -> None:
         """Everything is loaded (and evened out by the model's after_load): linears still dense are quantized
         where the load asks, then packed into fp32 / bf16 panels for the kernels, with activations, norms,
         embeddings and the residual stream kept in fp32; without kernels the model runs in the dtype on torch,
-        on the platform's device."""
+        on the platform's device, with the platform's kernels for it if it has some (Triton)."""
         for lin in model._linears():
             self.quantize(model, lin)
         if self.kept_dense:
@@ -92,5 +93,8 @@ class WeightMethods:
             model.set_ops(self.ops, self.dtype)
             model.float()
         else:
-            model.to(device=device, dtype=self.dtype)
-        model.device = device
+            model.to(device=platform.device, dtype=self.dtype)
+            backend = platform.backend()
+            if backend is not None:
+                model.use_backend(backend)
+        model.device = platform.device

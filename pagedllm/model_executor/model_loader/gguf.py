@@ -229,7 +229,7 @@ class GGUFTensors:
 
 def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
               tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu",
-              context: int | None = None) -> LoadedModel:
+              context: int | None = None, attention_backend: str = "auto") -> LoadedModel:
     """quantization: None runs the file's formats, "none" dequantizes everything (the fp32 / bf16
     reference), a format name requantizes the dense weights into it."""
     f = GGUFTensors(path)
@@ -238,7 +238,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     cls = model_class(raw, registry)
     wn = cls.WEIGHTS
     cfg = cls.fit_context(cls.config_from_hf(raw), context)
-    platform = current_platform(device)
+    platform = current_platform(device, attention_backend)
     tdtype = resolve_dtype(dtype, raw, platform)
     methods = WeightMethods(platform.kernels(tdtype), tdtype, quantization)
     if quantization is None and not methods.blocks_in_place:
@@ -346,7 +346,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)
-    methods.process(model, platform.device)
+    methods.process(model, platform)
     f.drop_metadata()
     model.gguf = f  # keeps the map (the weights used in place) alive as long as the model
     return LoadedModel(model, cfg, tok, path.stem, path, tdtype)

@@ -41,12 +41,12 @@ def read_config(path: Path) -> dict:
 
 def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None,
                    tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu",
-                  context: int | None = None) -> LoadedModel:
+                  context: int | None = None, attention_backend: str = "auto") -> LoadedModel:
     raw = read_config(path)
     cls = model_class(raw, registry)
     names = cls.WEIGHTS
     cfg = cls.fit_context(cls.config_from_hf(raw), context)
-    platform = current_platform(device)
+    platform = current_platform(device, attention_backend)
     tdtype = resolve_dtype(dtype, raw, platform)
     sd = _read_weights(path)
     cls.hf_tensors(sd, cfg)
@@ -121,7 +121,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     model.eval()
     if tp is not None:
         model.use_tensor_parallel(tp)
-    methods.process(model, platform.device)
+    methods.process(model, platform)
     eos = raw.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():

@@ -238,15 +238,19 @@ class LlamaForCausalLM(nn.Module):
                      if "norm" in name or name.endswith("bias"))
         return self.linear_weight_bytes() + others - self._idle_experts(lambda lin: (lin.packed or lin.weight).nbytes)
 
+    def use_backend(self, backend: Backend) -> None:
+        """The compute every layer asks for (layers/backends.py, a device's kernels: triton_ops)."""
+        self.backend = backend
+        for layer in self.layers:
+            layer.backend = backend
+
     def set_ops(self, ops: Ops | None, weight_dtype: torch.dtype = torch.float32) -> None:
         """Use the C++ kernels. Dense linears are packed into column panels, fp32 or bf16 (weight_dtype),
         and their plain [out, in] copies dropped (rebuilt from the panels if the ops are turned off),
         except a tied lm_head's, which is the embedding table; linears already packed (GGUF blocks) stay
         as they are. Activations, norms and the residual stream stay fp32 either way."""
         self.ops = ops
-        self.backend = backend_for(ops)
-        for layer in self.layers:
-            layer.backend = self.backend
+        self.use_backend(backend_for(ops))
         table = self.embed_tokens.weight
         for lin in self._linears():
             tied = lin.weight is table  # a tied lm_head's dense weight is the table: never dropped
