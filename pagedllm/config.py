@@ -110,6 +110,7 @@ class EngineConfig:
     # a torch device ("cpu", "cuda", "cuda:1"): the model and its KV pool there (platforms/); auto: a GPU if torch
     # sees one, else the CPU
     device: str = "auto"
+    load_format: str = "auto"  # or "dummy": random weights of the model folder's config.json (benchmarks)
     attention_backend: str = "auto"  # auto (C++ on the CPU, Triton on a GPU), torch (reference), triton (any device)
 
     def __post_init__(self) -> None:
@@ -138,6 +139,8 @@ class EngineConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
         from .platforms import ATTENTION_BACKENDS, resolve_device
 
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         tp = isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size > 1

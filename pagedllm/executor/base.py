@@ -29,7 +29,7 @@ class Executor:
     def load_model(self) -> LoadedModel:
         c = self.config
         return load_model(c.model, c.dtype, c.quantization, self.group, c.model_registry, c.device, c.max_model_len,
-                          c.attention_backend)
+                          c.attention_backend, c.load_format)
 
     def profile_activations(self, model: torch.nn.Module) -> int | None:
         """Peak bytes of a forward at the largest step (model_runner.profile_forward) where the device counts
@@ -56,7 +56,7 @@ class Executor:
     def load_draft_model(self, model: str) -> LoadedModel:
         c = self.config
         return load_model(model, c.dtype, c.quantization, None, c.model_registry, c.device, c.max_model_len,
-                          c.attention_backend)
+                          c.attention_backend, c.load_format)
 
     def init_draft_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                             cache_cls: type) -> None:

@@ -38,25 +38,28 @@ def _is_gguf(path: Path) -> bool:
 
 def load_model(model: str | os.PathLike | None, dtype: str = "auto", quantization: str | None = None,
                tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu",
-               context: int | None = None, attention_backend: str = "auto") -> LoadedModel:
+               context: int | None = None, attention_backend: str = "auto", load_format: str = "auto") -> LoadedModel:
     """quantization: None runs the weights as stored (a GGUF's own formats); "none" dequantizes a GGUF
     to `dtype`; q8_0 / q4_0 / q4_1 / q5_0 / q5_1 quantize the linears at load. tp: keep this rank's
     shard, cut as the weights are read. registry: the architectures to look in (the built-in ones). device: where
     the model runs (platforms.current_platform). context: the max_model_len asked for, if any (a model whose rope
     depends on it chooses by it: LongRoPE's long factors). attention_backend: the kernels, with the device
-    (platforms.current_platform)."""
+    (platforms.current_platform). load_format "dummy": random weights of an HF folder's config (speed and memory
+    measurements without the checkpoint)."""
     path = Path(model) if model else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (no hub downloads: give a local folder or .gguf)")
     if quantization not in (None, "none", *QUANTIZE_AT_LOAD):
         raise ModelLoadError(f"quantization must be none or one of {QUANTIZE_AT_LOAD}, got {quantization!r}")
     if _is_gguf(path):
+        if load_format == "dummy":
+            raise ModelLoadError("load_format='dummy' takes an HF folder's config.json, not a GGUF")
         if tp is not None and quantization not in (None, "none"):
             raise ModelLoadError("tensor parallelism runs a GGUF in its own formats or dequantized "
                                  "(quantization None or 'none'), not requantized at load")
         return load_gguf(path, dtype, quantization, tp, registry, device, context, attention_backend)
     if path.is_dir() and (path / "config.json").exists():
-        return load_hf_folder(path, dtype, quantization, tp, registry, device, context, attention_backend)
+        return load_hf_folder(path, dtype, quantization, tp, registry, device, context, attention_backend, load_format)
     raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
 
 

@@ -41,13 +41,20 @@ def read_config(path: Path) -> dict:
 
 def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = None,
                    tp: TPGroup | None = None, registry: ModelRegistry | None = None, device: str = "cpu",
-                  context: int | None = None, attention_backend: str = "auto") -> LoadedModel:
+                  context: int | None = None, attention_backend: str = "auto", load_format: str = "auto") -> LoadedModel:
+    """load_format "dummy": random weights of the config's shapes made on the device (vLLM's, for measuring a
+    model's speed and memory without its checkpoint); the folder needs config.json alone."""
     raw = read_config(path)
     cls = model_class(raw, registry)
     names = cls.WEIGHTS
     cfg = cls.fit_context(cls.config_from_hf(raw), context)
     platform = current_platform(device, attention_backend)
     tdtype = resolve_dtype(dtype, raw, platform)
+    if load_format == "dummy":
+        if tp is not None:
+            raise ModelLoadError("load_format='dummy' does not run under tensor parallelism")
+        model = dummy_model(cls, cfg, tdtype, platform)
+        return LoadedModel(model, cfg, _tokenizer(path, raw), path.name, path, tdtype)
     sd = _read_weights(path)
     cls.hf_tensors(sd, cfg)
 
@@ -122,13 +129,36 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
     if tp is not None:
         model.use_tensor_parallel(tp)
     methods.process(model, platform)
+    return LoadedModel(model, cfg, _tokenizer(path, raw), path.name, path, tdtype)
+
+
+def _tokenizer(path: Path, raw: dict) -> Tokenizer | None:
     eos = raw.get("eos_token_id")
     gen = path / "generation_config.json"
     if gen.exists():
         eos = json.loads(gen.read_text()).get("eos_token_id", eos)
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    tok = Tokenizer.from_dir(path, eos_ids)
-    return LoadedModel(model, cfg, tok, path.name, path, tdtype)
+    return Tokenizer.from_dir(path, eos_ids)
+
+
+def dummy_model(cls: type, cfg, dtype: torch.dtype, platform) -> torch.nn.Module:
+    """The model with random weights made where it runs: linears and embeddings N(0, 0.02), norms 1 (random
+    norms would scale layers apart), no biases."""
+    model = build(cls, cfg, {}, None).to(dtype)  # on meta: the cast is free
+    model.to_empty(device=platform.device)
+    gen = torch.Generator(device=platform.device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if cfg.tie_word_embeddings:
+        model.tie_lm_head()
+    model.after_load("hf")
+    model.eval()
+    WeightMethods(platform.kernels(dtype), dtype, None).process(model, platform)
+    return model
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
