@@ -16,7 +16,8 @@ to fp8, times the slot's bf16 scale) to the compute dtype, as kv_quant.FP8KVCach
 - `_decode_split` + `_merge_splits`: flash-decoding. Grid (decodes, KV heads, splits): each program runs the
   online softmax over its share of the context and writes (max, sum, unnormalized output); the merge rescales
   and adds the splits. Many splits for few long sequences (the GPU's programs otherwise idle), one for many.
-fp32 models use IEEE dot products (not TF32), so that fp32 runs match the torch reference token for token.
+fp32 models use IEEE dot products (not TF32), so that fp32 runs match the torch reference token for token; in
+Triton's interpreter (CPU tensors) bf16 operands are widened to fp32 before the product, as its bf16 dot is wrong.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def _online_softmax(qv, qpos, row_ok, m_i, l_i, acc, k_pool, v_pool, k_scale, v_
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
         k = _kv_tile(k_pool, k_scale, tables, seq, n, nm, h, d, dm, stride_tab, BS, KVH, D, FP8, E5M2, dt)
-        if IEEE:
-            s = tl.dot(qv, tl.trans(k), input_precision="ieee")
+        if IEEE:  # fp32 operands (bf16 ones widened: exact products, as the tensor cores' fp32 accumulation)
+            s = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(qv, tl.trans(k))
         s = s * scale_log2  # [BLOCK_M, BLOCK_N]
@@ -73,7 +74,7 @@ def _online_softmax(qv, qpos, row_ok, m_i, l_i, acc, k_pool, v_pool, k_scale, v_
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = _kv_tile(v_pool, v_scale, tables, seq, n, nm, h, d, dm, stride_tab, BS, KVH, D, FP8, E5M2, dt)
         if IEEE:
-            pv = tl.dot(p.to(dt), v, input_precision="ieee")
+            pv = tl.dot(p.to(dt).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(dt), v)
         acc = acc * alpha[:, None] + pv
@@ -231,7 +232,8 @@ def attend(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     fp8 = k_scale is not None
     e5m2 = k_pool.dtype == torch.float8_e5m2
     kp, vp = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
-    ieee = q.dtype == torch.float32
+    # IEEE fp32 dot products: for fp32 models (not TF32), and in the interpreter, whose bf16 dot products are wrong
+    ieee = q.dtype == torch.float32 or q.device.type == "cpu"
     block_d = max(16, triton.next_power_of_2(d))
     win = window or 0
     scale_log2 = scale * LOG2E

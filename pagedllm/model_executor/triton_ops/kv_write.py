@@ -11,19 +11,31 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import round_mantissa
+
+
+@triton.jit
+def _round_fp8(y, BITS: tl.constexpr, EMIN: tl.constexpr):
+    """y (fp32, within the format's range) rounded to the fp8 value nearest (ties to even): normals by their
+    mantissa, subnormals to multiples of 2^(EMIN - BITS) (adding 1.5 x 2^(23 + EMIN - BITS) leaves fp32 no bits
+    below that step)."""
+    MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + EMIN - BITS)
+    sub = (y + MAGIC) - MAGIC
+    return tl.where(tl.abs(y) < 2.0 ** EMIN, sub, round_mantissa(y, BITS))
+
 
 @triton.jit
 def _quantize_store(x, pool, scales, slot, h, d, dm, KVH: tl.constexpr, D: tl.constexpr, FMAX: tl.constexpr,
                     E5M2: tl.constexpr):
     xf = x.to(tl.float32)
     amax = tl.max(tl.where(dm, tl.abs(xf), 0.0), axis=0)
-    s = tl.maximum(amax / FMAX, 1e-30).to(tl.bfloat16)
-    tl.store(scales + slot * KVH + h, s)
-    y = tl.minimum(tl.maximum(xf / s.to(tl.float32), -FMAX), FMAX)
+    s = round_mantissa(tl.maximum(amax / FMAX, 1e-30), 7)  # bf16's
+    tl.store(scales + slot * KVH + h, s.to(tl.bfloat16))
+    y = tl.minimum(tl.maximum(xf / s, -FMAX), FMAX)
     if E5M2:
-        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        q = _round_fp8(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = _round_fp8(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(pool + (slot * KVH + h) * D + d, q, mask=dm)
 
 

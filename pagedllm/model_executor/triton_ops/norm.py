@@ -8,22 +8,31 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import round_mantissa
+
+
+@triton.jit
+def _narrow(x, BF16: tl.constexpr):
+    if BF16:
+        return round_mantissa(x, 7)
+    return x
+
 
 @triton.jit
 def _rms_norm(x, res, w, out, stride_x, stride_r, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-              HAS_RES: tl.constexpr):
+              HAS_RES: tl.constexpr, BF16: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     cm = c < N
     h = tl.load(x + row * stride_x + c, mask=cm, other=0.0)
     if HAS_RES:
-        h = (h.to(tl.float32) + tl.load(res + row * stride_r + c, mask=cm, other=0.0).to(tl.float32))
-        h = h.to(x.dtype.element_ty)
+        h = h.to(tl.float32) + tl.load(res + row * stride_r + c, mask=cm, other=0.0).to(tl.float32)
+        h = _narrow(h, BF16).to(x.dtype.element_ty)
         tl.store(res + row * stride_r + c, h, mask=cm)
     hf = h.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
-    y = (hf * inv).to(x.dtype.element_ty).to(tl.float32) * tl.load(w + c, mask=cm, other=0.0).to(tl.float32)
-    tl.store(out + row * stride_o + c, y.to(out.dtype.element_ty), mask=cm)
+    y = _narrow(hf * inv, BF16).to(x.dtype.element_ty).to(tl.float32) * tl.load(w + c, mask=cm, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_o + c, _narrow(y, BF16).to(out.dtype.element_ty), mask=cm)
 
 
 def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor,
@@ -38,5 +47,5 @@ def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor,
     if x2.shape[0]:
         res = residual.view(-1, n) if residual is not None else x2
         _rms_norm[(x2.shape[0],)](x2, res, weight, out, x2.stride(0), res.stride(0), out.stride(0), eps, n,
-                                  triton.next_power_of_2(n), residual is not None)
+                                  triton.next_power_of_2(n), residual is not None, x.dtype == torch.bfloat16)
     return out.view(x.shape), (residual if residual is not None else x)
