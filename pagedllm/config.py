@@ -146,9 +146,9 @@ class EngineConfig:
         tp = isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size > 1
         if isinstance(self.device, str):
             self.device = resolve_device(self.device, cpu_only=tp or self.kv_offload_dir is not None)
-        check_device(self)
         if tp and self.attention_backend != "auto":
             raise ConfigError("tensor parallelism runs the CPU's kernels: leave attention_backend at auto")
+        check_device(self)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
             if self.device == "cpu" and self.kv_cache_memory > host_available_memory():  # before a model loads or a port is bound

@@ -144,19 +144,21 @@ def kernels(device: str, tiny: bool) -> dict:
                 kp, ks = quantize(kf, torch.float8_e4m3fn)
                 vp, vs = quantize(vf, torch.float8_e4m3fn)
             o = torch.empty_like(q)
-            run = lambda: attend(o, q, kp, vp, rows, d ** -0.5, None, None, ks, vs)  # noqa: E731
+            args = (q, kp.float() if ks is None else kp, vp.float() if vs is None else vp, tables, ctx_lens, q_lens,
+                    d ** -0.5, ks, vs)
+
+            def run(o=o, q=q, kp=kp, vp=vp, rows=rows, ks=ks, vs=vs) -> None:
+                attend(o, q, kp, vp, rows, d ** -0.5, None, None, ks, vs)
+
             run()
-            ref = _reference(q, kp.float() if ks is None else kp, vp.float() if vs is None else vp, tables, ctx_lens,
-                             q_lens, d ** -0.5, ks, vs)
+            ref = _reference(*args)
             err = (o.float() - ref).abs().max().item()
             entry = {"max_abs_err_vs_fp32": err}
             if device.startswith("cuda"):
                 from triton.testing import do_bench
 
                 entry["triton_us"] = do_bench(run) * 1e3
-                entry["torch_ref_us"] = do_bench(lambda: _reference(q, kp.float() if ks is None else kp,
-                                                                     vp.float() if vs is None else vp, tables,
-                                                                     ctx_lens, q_lens, d ** -0.5, ks, vs)) * 1e3
+                entry["torch_ref_us"] = do_bench(lambda args=args: _reference(*args)) * 1e3
                 kv_bytes = sum(ctx_lens) * kvh * d * 2 * kp.element_size()
                 entry["kv_gb_per_s"] = kv_bytes / (entry["triton_us"] * 1e-6) / 1e9
             out[f"{name}/{pool}"] = entry
@@ -164,8 +166,8 @@ def kernels(device: str, tiny: bool) -> dict:
 
 
 def _runner_for(cfg: dict, device: str, num_blocks: int, dtype=torch.bfloat16):
-    from pagedllm.model_executor.model_loader.hf import dummy_model
     from pagedllm.model_executor.model_loader.base import model_class
+    from pagedllm.model_executor.model_loader.hf import dummy_model
     from pagedllm.model_executor.model_runner import ModelRunner
     from pagedllm.platforms import current_platform
 

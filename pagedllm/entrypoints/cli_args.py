@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'or \'{"method": "draft_model", "model": PATH}\'')
 
 
-ENGINE_KEYS = ("model", "dtype", "device", "attention_backend", "load_format", "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks",
+ENGINE_KEYS = ("model", "dtype", "device", "attention_backend", "load_format",
+               "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks",
                "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
                "enable_chunked_prefill", "hybrid_kv_cache", "preemption_mode", "seed", "num_threads", "speculative_config",

@@ -82,7 +82,7 @@ class ModelRunner:
         self.argmax = backend.argmax_rows
         op, chunk_op = backend.paged_ops(self.slot_caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
         hybrid = self.layout.hybrid
-        all_rows = getattr(backend, "all_rows", False)
+        all_rows = getattr(backend, "all_rows", False) and op is not None
         self.attns = [MetadataBuilder(block_size, g.sliding_window if hybrid else cfg.sliding_window, op, chunk_op,
                                      self.device, all_rows)
                       for g in self.layout.groups]
