@@ -145,3 +145,21 @@ def test_decode_splits_fill_the_device_only_when_few_long_sequences_run():
     assert decode_splits(1, 8, 32768, 264, 64) == 33
     assert decode_splits(1, 8, 200, 264, 64) == 1  # a short context is not worth splitting
     assert decode_splits(2, 8, 1 << 20, 264, 64) == 17
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_rounding_edges_match_torch_byte_for_byte(fmt):
+    """Values that round up into the next binade, ties, subnormals and the largest value, with the scale 1 (the
+    head's amax is the format's max)."""
+    fp8 = FP8_DTYPES[fmt]
+    fmax = torch.finfo(fp8).max
+    edges = torch.tensor([fmax, -124.8, 126.35, 303.76, -335.9, 7.3, 0.5, 0.0013, -0.0031, 2 ** -8, 3 * 2 ** -10,
+                          2 ** -17, 1e-9, 0.0, 15.5, 17.0, 40.0, 48.0, 56.0, 60.0, 1.0625, 1.1875, 0.0107, 229.0,
+                          232.0, 235.0, 240.0, 44.0, 52.0, 13.0, 11.0, 9.0])
+    k = edges.view(1, 1, 32)
+    kp = torch.zeros(1, 1, 1, 32, dtype=fp8)
+    sc = torch.zeros(1, 1, 1, dtype=torch.bfloat16)
+    write_kv(kp, kp.clone(), torch.tensor([0]), k, k, sc, sc.clone())
+    q, s = quantize(k, fp8)
+    assert torch.equal(sc.view(1, 1), s)
+    assert torch.equal(kp.view(1, 1, 32).view(torch.uint8), q.view(torch.uint8))

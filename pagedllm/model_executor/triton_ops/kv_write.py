@@ -11,38 +11,29 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_mantissa
-
-
-@triton.jit
-def _round_fp8(y, BITS: tl.constexpr, EMIN: tl.constexpr):
-    """y (fp32, within the format's range) rounded to the fp8 value nearest (ties to even): normals by their
-    mantissa, subnormals to multiples of 2^(EMIN - BITS) (adding 1.5 x 2^(23 + EMIN - BITS) leaves fp32 no bits
-    below that step)."""
-    MAGIC: tl.constexpr = 1.5 * 2.0 ** (23 + EMIN - BITS)
-    sub = (y + MAGIC) - MAGIC
-    return tl.where(tl.abs(y) < 2.0 ** EMIN, sub, round_mantissa(y, BITS))
+from .rounding import fp8_constants, round_fp8, round_mantissa
 
 
 @triton.jit
 def _quantize_store(x, pool, scales, slot, h, d, dm, KVH: tl.constexpr, D: tl.constexpr, FMAX: tl.constexpr,
-                    E5M2: tl.constexpr):
+                    E5M2: tl.constexpr, DROP: tl.constexpr, NORMAL_MIN: tl.constexpr, MAGIC: tl.constexpr):
     xf = x.to(tl.float32)
     amax = tl.max(tl.where(dm, tl.abs(xf), 0.0), axis=0)
-    s = round_mantissa(tl.maximum(amax / FMAX, 1e-30), 7)  # bf16's
+    s = round_mantissa(tl.maximum(amax / FMAX, 1e-30), 16)  # to bf16
     tl.store(scales + slot * KVH + h, s.to(tl.bfloat16))
     y = tl.minimum(tl.maximum(xf / s, -FMAX), FMAX)
+    y = round_fp8(y, DROP, NORMAL_MIN, MAGIC)
     if E5M2:
-        q = _round_fp8(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
+        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
-        q = _round_fp8(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     tl.store(pool + (slot * KVH + h) * D + d, q, mask=dm)
 
 
 @triton.jit
 def _write_kv(k, v, k_pool, v_pool, k_scale, v_scale, slots, stride_kt, stride_kh, stride_vt, stride_vh,
               KVH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FMAX: tl.constexpr,
-              E5M2: tl.constexpr):
+              E5M2: tl.constexpr, DROP: tl.constexpr, NORMAL_MIN: tl.constexpr, MAGIC: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + t).to(tl.int64)
@@ -51,8 +42,8 @@ def _write_kv(k, v, k_pool, v_pool, k_scale, v_scale, slots, stride_kt, stride_k
     kx = tl.load(k + t * stride_kt + h * stride_kh + d, mask=dm, other=0.0)
     vx = tl.load(v + t * stride_vt + h * stride_vh + d, mask=dm, other=0.0)
     if FP8:
-        _quantize_store(kx, k_pool, k_scale, slot, h, d, dm, KVH, D, FMAX, E5M2)
-        _quantize_store(vx, v_pool, v_scale, slot, h, d, dm, KVH, D, FMAX, E5M2)
+        _quantize_store(kx, k_pool, k_scale, slot, h, d, dm, KVH, D, FMAX, E5M2, DROP, NORMAL_MIN, MAGIC)
+        _quantize_store(vx, v_pool, v_scale, slot, h, d, dm, KVH, D, FMAX, E5M2, DROP, NORMAL_MIN, MAGIC)
     else:
         dst = (slot * KVH + h) * D + d
         tl.store(k_pool + dst, kx.to(k_pool.dtype.element_ty), mask=dm)
@@ -71,4 +62,4 @@ def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k:
     fmax = torch.finfo(k_pool.dtype).max if fp8 else 0.0
     kp, vp = (k_pool.view(torch.uint8), v_pool.view(torch.uint8)) if fp8 else (k_pool, v_pool)
     _write_kv[(t, kvh)](k, v, kp, vp, k_scale, v_scale, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                        kvh, d, triton.next_power_of_2(d), fp8, fmax, e5m2)
+                        kvh, d, triton.next_power_of_2(d), fp8, fmax, e5m2, *fp8_constants(e5m2))

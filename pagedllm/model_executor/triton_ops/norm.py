@@ -14,7 +14,7 @@ from .rounding import round_mantissa
 @triton.jit
 def _narrow(x, BF16: tl.constexpr):
     if BF16:
-        return round_mantissa(x, 7)
+        return round_mantissa(x, 16)
     return x
 
 
