@@ -163,3 +163,33 @@ def test_fp8_rounding_edges_match_torch_byte_for_byte(fmt):
     q, s = quantize(k, fp8)
     assert torch.equal(sc.view(1, 1), s)
     assert torch.equal(kp.view(1, 1, 32).view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_the_kv_write_in_one_launch_round_as_the_reference(dtype):
+    """q after rope equals the reference's (bf16: each product and the sum rounded as torch rounds them); k after
+    rope and v land in their slots; a slot of -1 (a padded row) writes nothing."""
+    from pagedllm.model_executor.layers.backends import rotate_half
+    from pagedllm.model_executor.triton_ops.kv_write import rope_write_kv
+
+    gen = torch.Generator().manual_seed(4)
+    t, h, kvh, d = 5, 6, 2, 24
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    ang = torch.randn(t, d // 2, generator=gen)
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    k_pool = torch.zeros(3, 4, kvh, d, dtype=dtype)
+    v_pool = torch.zeros_like(k_pool)
+    slots = torch.tensor([2, 7, -1, 0, 11])
+    q = rope_write_kv(qkv, cos, sin, h, kvh, d, k_pool, v_pool, slots)
+    rq, rk, rv = qkv.split([h * d, kvh * d, kvh * d], -1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    want_q = rq.view(t, h, d) * c + rotate_half(rq.view(t, h, d)) * s
+    want_k = rk.view(t, kvh, d) * c + rotate_half(rk.view(t, kvh, d)) * s
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(q, want_q, **tol)
+    flat_k, flat_v = k_pool.view(-1, kvh, d), v_pool.view(-1, kvh, d)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(flat_k[slot], want_k[i], **tol)
+            assert torch.equal(flat_v[slot], rv.view(t, kvh, d)[i])
+    assert int((flat_k.abs().sum((1, 2)) > 0).sum()) == 4  # the padded row's k went nowhere

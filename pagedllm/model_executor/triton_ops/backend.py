@@ -11,9 +11,9 @@ import torch
 
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
-from ..layers.backends import TorchReference, rotate_half
+from ..layers.backends import TorchReference
 from .attention import StepRows, attend
-from .kv_write import write_kv
+from .kv_write import rope_write_kv
 from .norm import rms_norm
 
 
@@ -40,14 +40,11 @@ class TritonKernels(TorchReference):
         if rows is None:  # a pool the kernels do not read
             return super().attention(qkv, cos, sin, num_heads, num_kv_heads, head_dim, cache, meta, scale, sinks)
         t = qkv.shape[0]
-        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-        q = q.view(t, num_heads, head_dim)
-        k = k.view(t, num_kv_heads, head_dim)
-        q = q * cos + rotate_half(q) * sin  # cos, sin: [T, 1, D]
-        k = k * cos + rotate_half(k) * sin
         k_scale = getattr(cache, "k_scale", None)
         v_scale = getattr(cache, "v_scale", None)
-        write_kv(cache.k, cache.v, meta.slot_mapping, k, v.view(t, num_kv_heads, head_dim), k_scale, v_scale)
+        qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+        q = rope_write_kv(qkv, cos.reshape(t, -1), sin.reshape(t, -1), num_heads, num_kv_heads, head_dim, cache.k,
+                          cache.v, meta.slot_mapping, k_scale, v_scale)  # [T, H, D]
         out = torch.empty_like(q)
         attend(out, q, cache.k, cache.v, rows, scale, meta.sliding_window, sinks, k_scale, v_scale, self.programs)
         return out
