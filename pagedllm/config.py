@@ -110,6 +110,7 @@ class EngineConfig:
     # a torch device ("cpu", "cuda", "cuda:1"): the model and its KV pool there (platforms/); auto: a GPU if torch
     # sees one, else the CPU
     device: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps on a GPU
     load_format: str = "auto"  # or "dummy": random weights of the model folder's config.json (benchmarks)
     attention_backend: str = "auto"  # auto (C++ on the CPU, Triton on a GPU), torch (reference), triton (any device)
 

@@ -16,6 +16,7 @@ Sections (each on its own: one that fails records its error and the rest go on):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -204,7 +205,11 @@ def decode(device: str, tiny: bool) -> dict:
     for b in batches:
         ms = _decode_ms(runner, b, ctx, device, 3 if tiny else 20)
         floor = (weight_bytes + b * ctx * kv_per_token) / HBM_BYTES_PER_S * 1e3
-        out[f"batch{b}"] = {"step_ms": ms, "hbm_floor_ms": floor, "x_floor": ms / floor}
+        out[f"batch{b}"] = {"eager_step_ms": ms, "hbm_floor_ms": floor, "eager_x_floor": ms / floor}
+    out["graphs_captured"] = runner.use_decode_graphs(max(batches), 2 * ctx, capture=device.startswith("cuda"))
+    for b in batches:
+        ms = _decode_ms(runner, b, ctx, device, 3 if tiny else 20)
+        out[f"batch{b}"].update(graph_step_ms=ms, graph_x_floor=ms / out[f"batch{b}"]["hbm_floor_ms"])
     del runner, model
     return out
 
@@ -214,7 +219,7 @@ def small(device: str, tiny: bool) -> dict:
     model, runner = _runner_for(cfg, device, 64)
     out = {}
     for b in (1, 8):
-        out[f"batch{b}_step_ms"] = _decode_ms(runner, b, 64, device, 3 if tiny else 50)
+        out[f"batch{b}_eager_step_ms"] = _decode_ms(runner, b, 64, device, 3 if tiny else 50)
     if device.startswith("cuda"):  # where the time goes: the kernels' GPU time against the step's wall time
         from torch.profiler import ProfilerActivity, profile
 
@@ -227,6 +232,10 @@ def small(device: str, tiny: bool) -> dict:
         gpu_us = sum(e.self_device_time_total for e in prof.key_averages()) / 10
         out["batch1_gpu_busy_ms"] = gpu_us / 1e3
         out["batch1_kernel_launches"] = sum(e.count for e in prof.key_averages()) / 10
+    out["graphs_captured"] = runner.use_decode_graphs(8, 128, capture=device.startswith("cuda"))
+    for b in (1, 8):
+        out[f"batch{b}_graph_step_ms"] = _decode_ms(runner, b, 64, device, 3 if tiny else 50)
+        out[f"batch{b}_graph_speedup"] = out[f"batch{b}_eager_step_ms"] / out[f"batch{b}_graph_step_ms"]
     return out
 
 
@@ -312,6 +321,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - one section's failure is recorded, the others still run
             res[name] = {"error": repr(e), "trace": traceback.format_exc()[-3000:]}
         res[name]["section_seconds"] = time.perf_counter() - t
+        gc.collect()  # the section's engine and model (cycles hold them): the next one's budget is the card's
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
         print(json.dumps({name: res[name]}, indent=1), flush=True)

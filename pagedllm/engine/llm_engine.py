@@ -90,6 +90,8 @@ class LLMEngine:
                                    config.watermark, state_slots)
         self.runner = self.executor.init_kv_cache(loaded.model, num_blocks, bs, kv_dtype, cache_cls, layout,
                                                   max_seqs if has_state else 0)
+        if self.spec is None:  # a speculating step scores several rows a sequence: never a captured decode
+            self.executor.capture_decode_graphs(max_seqs, max_len)
         self.offload = None  # the prefix cache's disk tier (kv_offload.py)
         if config.kv_offload_dir is not None:
             self.offload = open_offload(config, self.runner, loaded.dtype, kv_dtype, bs)

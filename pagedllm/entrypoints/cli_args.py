@@ -11,6 +11,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto",
                    help="auto (a GPU if torch sees one, else the CPU), cpu, or a torch device such as cuda or cuda:1")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps on a GPU (each kernel launched from Python)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model folder's config.json (speed and memory without weights)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -52,7 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         'or \'{"method": "draft_model", "model": PATH}\'')
 
 
-ENGINE_KEYS = ("model", "dtype", "device", "attention_backend", "load_format",
+ENGINE_KEYS = ("model", "dtype", "device", "attention_backend", "load_format", "enforce_eager",
                "quantization", "kv_cache_dtype", "kv_cache_memory", "num_kv_blocks",
                "memory_utilization",
                "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",

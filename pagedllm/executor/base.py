@@ -43,6 +43,15 @@ class Executor:
         return platform.peak_bytes(lambda: profile_forward(model, c.max_num_batched_tokens, c.max_num_seqs,
                                                            c.block_size))
 
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> bool:
+        """CUDA graphs for decode steps where the platform replays them (a GPU) and enforce_eager is off."""
+        from ..platforms import current_platform
+
+        c = self.config
+        if c.enforce_eager or not current_platform(c.device, c.attention_backend).decode_graphs:
+            return False
+        return self.runner.use_decode_graphs(max_batch, max_model_len)
+
     def init_kv_cache(self, model: torch.nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       cache_cls: type, layout: KVLayout | None = None, num_state_slots: int = 0) -> ModelRunner:
         """The KV pool (every rank's share of it), the linear-attention states if any, and the runner over them."""

@@ -87,6 +87,31 @@ class ModelRunner:
                                      self.device, all_rows)
                       for g in self.layout.groups]
         self.attn = self.attns[0]
+        self.graphs = None  # decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs), where captured
+
+    def use_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> bool:
+        """Decode-only steps of up to max_batch sequences through cuda_graphs.DecodeGraphs (capture False: its
+        static buffers, run eagerly). Only where every row goes to the device's kernels, one group of block
+        tables and no linear-attention states; False where not taken."""
+        if not self.attn.all_rows or len(self.attns) > 1 or self.state_caches:
+            return False
+        from .cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self, max_batch, max_model_len, capture)
+        if graphs.capture_all():
+            self.graphs = graphs
+        return self.graphs is not None
+
+    def _graph_step(self, batch: Batch, tables: Tables) -> StepResult | None:
+        """A step of decodes only, replayed; None where the step is not one (prompt or speculative rows)."""
+        items = batch.items
+        if len(items) > self.graphs.buckets[-1] or not all(
+                len(s.token_ids) == 1 and s.start >= s.num_prompt_tokens and not s.num_spec and s.completes
+                for s in items):
+            return None
+        logits = self.graphs.run([s.token_ids[0] for s in items], [s.start for s in items],
+                                 [tables[0][s.request_id] for s in items])
+        return StepResult(logits.cpu(), list(range(len(items))), [1] * len(items))
 
     # the paths the step takes, switchable to compare them (tests): the paged-row op and the chunk kernel
     @property
@@ -126,6 +151,10 @@ class ModelRunner:
                 c.copy_slot(src, dst)
         if not batch.items:  # copies only (a draft pool following the target's copy-on-write)
             return StepResult(torch.zeros(0, self.model.cfg.vocab_size), [], [])
+        if self.graphs is not None and want_logits and not all_logits:
+            res = self._graph_step(batch, tables)
+            if res is not None:
+                return res
         bs, attn = self.block_size, self.attn
         kinds = [attn.kind(len(s.token_ids), s.start, s.num_prompt_tokens, s.num_spec) for s in batch.items]
         order = sorted(range(len(batch.items)), key=lambda i: kinds[i])

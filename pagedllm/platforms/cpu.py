@@ -235,6 +235,7 @@ class CpuPlatform:
 
     name = "cpu"
     device = "cpu"
+    decode_graphs = False
 
     def available_memory_bytes(self) -> int:
         from .memory import host_available_memory

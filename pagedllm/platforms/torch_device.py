@@ -11,6 +11,7 @@ from ..errors import ConfigError
 
 class TorchDevicePlatform:
     name = "torch"
+    decode_graphs = False  # the reference backend's forward syncs with the host (gathers, masks)
 
     def __init__(self, device: str) -> None:
         dev = torch.device(device)

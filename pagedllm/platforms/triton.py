@@ -30,6 +30,11 @@ class TritonPlatform(TorchDevicePlatform):
         super().__init__(device)
 
     @property
+    def decode_graphs(self) -> bool:
+        """Whether decode steps may be replayed from CUDA graphs: on a CUDA GPU (ROCm's HIP graphs too)."""
+        return not self.interpreted
+
+    @property
     def interpreted(self) -> bool:
         return torch.device(self.device).type == "cpu"
 

@@ -102,3 +102,28 @@ def test_on_a_gpu_the_kv_budget_leaves_room_for_the_weights_and_activations(llam
     llm = LLM(model=llama_dir, dtype="float32", device="cuda", memory_utilization=0.5)
     pool = sum(t.nbytes for c in llm.engine.runner.slot_caches for t in c.pools())
     assert pool <= 0.5 * total - (total - free)
+
+
+def test_decode_steps_through_the_graphs_static_buffers_give_the_same_tokens(llama_dir):
+    """What a CUDA graph replays (static buffers, a bucket's padded rows that write nowhere), run eagerly here:
+    the same tokens as the eager steps, and decode steps took that path."""
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 30, 12)]  # 3 decodes: bucket 4, 1 padded
+    want = _tokens(LLM(model=llama_dir, attention_backend="triton", **OPTS), prompts)
+    llm = LLM(model=llama_dir, attention_backend="triton", **OPTS)
+    runner = llm.engine.runner
+    assert runner.use_decode_graphs(5, 256, capture=False)
+    assert runner.graphs.buckets == [1, 2, 4, 5]
+    calls = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda *a: calls.append(len(a[0])) or run(*a)
+    assert _tokens(llm, prompts) == want
+    assert 3 in calls
+
+
+def test_graph_buckets_cover_every_batch_size():
+    from pagedllm.model_executor.cuda_graphs import buckets
+
+    b = buckets(256)
+    assert b[:6] == [1, 2, 4, 8, 16, 24] and b[-1] == 256 and b == sorted(set(b))
+    assert all(any(x >= n for x in b) for n in range(1, 257))
+    assert buckets(1) == [1] and buckets(3) == [1, 2, 3]

@@ -286,9 +286,17 @@ class LlamaForCausalLM(nn.Module):
     def rope_attention_scale(self, key: str) -> torch.Tensor:
         return rope_attention_scale(self.cfg)
 
+    def reserve_rope(self, n: int) -> None:
+        """Rope tables of n positions for every key, never grown after (no host sync for the positions' max in a
+        step: a captured forward cannot have one); positions stay below n (the engine's max_model_len)."""
+        for key in dict.fromkeys(lay.rope_key for lay in self.layers):
+            self._rope_tables.pop(key, None)
+            self._rope(torch.tensor([n - 1], device=self.device), torch.float32, key)
+        self._rope_reserved = n
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
         table = self._rope_tables.get(key)
+        need = 0 if table is not None and getattr(self, "_rope_reserved", 0) else int(positions.max()) + 1
         if table is None or need > table[0].shape[0]:  # tables grow on demand, computed in fp32 as HF does
             n = max(need, min(self.cfg.max_position_embeddings, 4096))
             with torch.device("cpu"):  # built on the host whatever the device: the same bits everywhere
