@@ -232,6 +232,8 @@ def small(device: str, tiny: bool) -> dict:
         gpu_us = sum(e.self_device_time_total for e in prof.key_averages()) / 10
         out["batch1_gpu_busy_ms"] = gpu_us / 1e3
         out["batch1_kernel_launches"] = sum(e.count for e in prof.key_averages()) / 10
+        top = sorted(prof.key_averages(), key=lambda e: -e.count)[:20]
+        out["batch1_kernels_by_count"] = [[e.key[:80], e.count / 10, e.self_device_time_total / 10] for e in top]
     out["graphs_captured"] = runner.use_decode_graphs(8, 128, capture=device.startswith("cuda"))
     for b in (1, 8):
         out[f"batch{b}_graph_step_ms"] = _decode_ms(runner, b, 64, device, 3 if tiny else 50)
