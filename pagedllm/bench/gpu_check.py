@@ -210,6 +210,16 @@ def decode(device: str, tiny: bool) -> dict:
     for b in batches:
         ms = _decode_ms(runner, b, ctx, device, 3 if tiny else 20)
         out[f"batch{b}"].update(graph_step_ms=ms, graph_x_floor=ms / out[f"batch{b}"]["hbm_floor_ms"])
+    if out["graphs_captured"] and device.startswith("cuda"):  # the replay alone: the GPU's share of a step
+        for b in batches:
+            graph = runner.graphs.graphs[runner.graphs.bucket(b)][0]
+            _sync(device)
+            t = time.perf_counter()
+            for _ in range(20):
+                graph.replay()
+            _sync(device)
+            ms = (time.perf_counter() - t) / 20 * 1e3
+            out[f"batch{b}"].update(replay_ms=ms, replay_x_floor=ms / out[f"batch{b}"]["hbm_floor_ms"])
     del runner, model
     return out
 
@@ -291,7 +301,9 @@ def seed13b(device: str, tiny: bool) -> dict:
         eng.step()
         steps += 1
         peak = max(peak, len(eng.scheduler.running))
-    res = {"kv_tokens": kv_tokens, "max_model_len": max_len, "reservation_holds": kv_tokens // max_len,
+    res = {"weight_gb": eng.runner.model.step_weight_bytes() / 1e9,
+           "kv_gb": eng.block_manager.num_blocks * eng.bytes_per_block / 1e9,
+           "kv_tokens": kv_tokens, "max_model_len": max_len, "reservation_holds": kv_tokens // max_len,
            "paged_peak_running": peak, "steps": steps, "seconds": time.perf_counter() - t,
            "finished_all": not eng.has_unfinished_requests()}
     res["ratio"] = peak / max(1, res["reservation_holds"])

@@ -40,8 +40,7 @@ class Executor:
         if c.device == "cpu" or c.num_kv_blocks is not None or c.kv_cache_memory is not None:
             return None
         platform = current_platform(c.device, c.attention_backend)
-        return platform.peak_bytes(lambda: profile_forward(model, c.max_num_batched_tokens, c.max_num_seqs,
-                                                           c.block_size))
+        return profile_forward(model, c.max_num_batched_tokens, c.max_num_seqs, c.block_size, platform.peak_bytes)
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """CUDA graphs for decode steps where the platform replays them (a GPU) and enforce_eager is off."""

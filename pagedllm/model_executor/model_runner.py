@@ -196,10 +196,12 @@ class ModelRunner:
         return StepResult(logits.cpu(), sampled, num_rows)  # sampled on the host
 
 
-def profile_forward(model: nn.Module, num_tokens: int, num_seqs: int, block_size: int) -> None:
+def profile_forward(model: nn.Module, num_tokens: int, num_seqs: int, block_size: int,
+                    measure: Callable[[Callable[[], object]], object] = lambda step: step()) -> object:
     """One step at the largest batch a step can hold: num_tokens prompt tokens over up to num_seqs fresh
     sequences, each sampling (the profiling forward whose peak the KV budget leaves room for on a GPU), over a
-    pool of just their blocks, freed when it returns."""
+    pool of just their blocks, freed when it returns. measure(step) runs the step (the platform's peak_bytes:
+    the pool is allocated before it, so only the step's own memory counts); its answer is returned."""
     seqs = max(1, min(num_seqs, num_tokens))
     lens = [num_tokens // seqs + (i < num_tokens % seqs) for i in range(seqs)]
     stateful = getattr(model, "has_state", False)
@@ -212,4 +214,4 @@ def profile_forward(model: nn.Module, num_tokens: int, num_seqs: int, block_size
         nxt += nb
         items.append(BatchItem(str(i), 0, [0] * n, n, state_slot=i if stateful else None))
     with torch.inference_mode():
-        runner.execute_batch(Batch(items), [tables])
+        return measure(lambda: runner.execute_batch(Batch(items), [tables]))
