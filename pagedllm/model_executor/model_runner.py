@@ -111,7 +111,7 @@ class ModelRunner:
             return None
         logits = self.graphs.run([s.token_ids[0] for s in items], [s.start for s in items],
                                  [tables[0][s.request_id] for s in items])
-        return StepResult(logits.cpu(), list(range(len(items))), [1] * len(items))
+        return StepResult(self.model.backend.to_host(logits), list(range(len(items))), [1] * len(items))
 
     # the paths the step takes, switchable to compare them (tests): the paged-row op and the chunk kernel
     @property
@@ -193,7 +193,7 @@ class ModelRunner:
         dev = self.device
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long, device=dev))
-        return StepResult(logits.cpu(), sampled, num_rows)  # sampled on the host
+        return StepResult(self.model.backend.to_host(logits), sampled, num_rows)  # sampled on the host
 
 
 def profile_forward(model: nn.Module, num_tokens: int, num_seqs: int, block_size: int,

@@ -65,6 +65,11 @@ class TorchReference(_QKNorm):
     name = "torch"
     argmax_rows = None  # torch's argmax
 
+    @staticmethod
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        """A step's logits where the sampler reads them (the host)."""
+        return t.cpu()
+
     def mask_rows(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> bool:
         """Grammar masks: none of its own (xgrammar's apply does it)."""
         return False
@@ -119,6 +124,7 @@ class TorchReference(_QKNorm):
 
 class CpuKernels(_QKNorm):
     name = "cpu"
+    to_host = staticmethod(TorchReference.to_host)
 
     def __init__(self, ops: Ops) -> None:
         self.ops = ops

@@ -38,17 +38,21 @@ def _kv_tile(pool, scales, tables, seq, n, nm, h, d, dm, stride_tab, BS: tl.cons
     """K or V of keys n [BLOCK_N] (mask nm) of KV head h: ([BLOCK_N, BLOCK_D] in the compute dtype, [BLOCK_N]
     fp32 scales). An fp8 tile comes as its fp8 values (exact in bf16 and fp32) and each key's scale, which the
     caller applies to the scores (K) or the probabilities (V): a [BLOCK_M, BLOCK_N] product instead of a
-    [BLOCK_N, D] one. Unscaled tiles return their mask in the scales' place, unused."""
+    [BLOCK_N, D] one. Unscaled tiles return their mask in the scales' place, unused (one return, as Triton's
+compiler wants for a tuple)."""
     blk = tl.load(tables + seq * stride_tab + n // BS, mask=nm, other=0).to(tl.int64)
     slot = blk * BS + n % BS
     x = tl.load(pool + (slot[:, None] * KVH + h) * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0)
-    if FP8:
+    if FP8:  # through fp32: this Triton has no direct fp8 -> bf16 conversion
         if E5M2:
-            f = x.to(tl.float8e5, bitcast=True).to(OUT_DTYPE)
+            f = x.to(tl.float8e5, bitcast=True).to(tl.float32).to(OUT_DTYPE)
         else:
-            f = x.to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)
-        return f, tl.load(scales + slot * KVH + h, mask=nm, other=0.0).to(tl.float32)
-    return x.to(OUT_DTYPE), nm
+            f = x.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(OUT_DTYPE)
+        sc = tl.load(scales + slot * KVH + h, mask=nm, other=0.0).to(tl.float32)
+    else:
+        f = x.to(OUT_DTYPE)
+        sc = nm.to(tl.float32)
+    return f, sc
 
 
 @triton.jit
