@@ -9,8 +9,7 @@ of them. Keys come BLOCK_N at a time, each key's address looked up through the b
 block_size] * block_size + pos % block_size), so any block size works. Softmax is online in fp32 on exp2, scores
 pre-scaled by scale * log2(e). An attention sink (gpt-oss) starts each row's running max at the sink's logit and
 its sum at 1: one more logit in the softmax, with no value. fp8 pools are widened in the kernel (bytes bitcast
-to fp8, widened exactly), each key's bf16 scale applied to its scores and its probabilities rather than to the
-K and V tiles (the same product as kv_quant.FP8KVCache.gather's dequantized tiles, rounded once less).
+to fp8, times the slot's bf16 scale) to the compute dtype, as kv_quant.FP8KVCache.gather does.
 
 - `_attend_chunks`: grid (sequences, query tiles, KV heads); causal within the chunk (a row at position p sees
   keys <= p), keys from the window's start (or 0) to the tile's last position.
@@ -35,24 +34,18 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _kv_tile(pool, scales, tables, seq, n, nm, h, d, dm, stride_tab, BS: tl.constexpr, KVH: tl.constexpr,
              D: tl.constexpr, FP8: tl.constexpr, E5M2: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """K or V of keys n [BLOCK_N] (mask nm) of KV head h: ([BLOCK_N, BLOCK_D] in the compute dtype, [BLOCK_N]
-    fp32 scales). An fp8 tile comes as its fp8 values (exact in bf16 and fp32) and each key's scale, which the
-    caller applies to the scores (K) or the probabilities (V): a [BLOCK_M, BLOCK_N] product instead of a
-    [BLOCK_N, D] one. Unscaled tiles return their mask in the scales' place, unused (one return, as Triton's
-compiler wants for a tuple)."""
+    """K or V of keys n [BLOCK_N] (mask nm) of KV head h: [BLOCK_N, BLOCK_D] in the compute dtype."""
     blk = tl.load(tables + seq * stride_tab + n // BS, mask=nm, other=0).to(tl.int64)
     slot = blk * BS + n % BS
     x = tl.load(pool + (slot[:, None] * KVH + h) * D + d[None, :], mask=nm[:, None] & dm[None, :], other=0)
-    if FP8:  # through fp32: this Triton has no direct fp8 -> bf16 conversion
+    if FP8:
         if E5M2:
-            f = x.to(tl.float8e5, bitcast=True).to(tl.float32).to(OUT_DTYPE)
+            f = x.to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
-            f = x.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(OUT_DTYPE)
-        sc = tl.load(scales + slot * KVH + h, mask=nm, other=0.0).to(tl.float32)
-    else:
-        f = x.to(OUT_DTYPE)
-        sc = nm.to(tl.float32)
-    return f, sc
+            f = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        s = tl.load(scales + slot * KVH + h, mask=nm, other=0.0).to(tl.float32)
+        return (f * s[:, None]).to(OUT_DTYPE)
+    return x.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -64,14 +57,12 @@ def _online_softmax(qv, qpos, row_ok, m_i, l_i, acc, k_pool, v_pool, k_scale, v_
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nm = n < hi
-        k, ks = _kv_tile(k_pool, k_scale, tables, seq, n, nm, h, d, dm, stride_tab, BS, KVH, D, FP8, E5M2, dt)
+        k = _kv_tile(k_pool, k_scale, tables, seq, n, nm, h, d, dm, stride_tab, BS, KVH, D, FP8, E5M2, dt)
         if IEEE:  # fp32 operands (bf16 ones widened: exact products, as the tensor cores' fp32 accumulation)
             s = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(qv, tl.trans(k))
         s = s * scale_log2  # [BLOCK_M, BLOCK_N]
-        if FP8:
-            s = s * ks[None, :]
         ok = (n[None, :] <= qpos[:, None]) & nm[None, :] & row_ok[:, None]
         if window > 0:
             ok = ok & (n[None, :] > qpos[:, None] - window)
@@ -81,12 +72,11 @@ def _online_softmax(qv, qpos, row_ok, m_i, l_i, acc, k_pool, v_pool, k_scale, v_
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v, vs = _kv_tile(v_pool, v_scale, tables, seq, n, nm, h, d, dm, stride_tab, BS, KVH, D, FP8, E5M2, dt)
-        pw = p * vs[None, :] if FP8 else p
+        v = _kv_tile(v_pool, v_scale, tables, seq, n, nm, h, d, dm, stride_tab, BS, KVH, D, FP8, E5M2, dt)
         if IEEE:
-            pv = tl.dot(pw.to(dt).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p.to(dt).to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(pw.to(dt), v)
+            pv = tl.dot(p.to(dt), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return m_i, l_i, acc

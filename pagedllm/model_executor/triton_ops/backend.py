@@ -24,17 +24,6 @@ class TritonKernels(TorchReference):
     def __init__(self, programs: int) -> None:
         self.programs = programs  # the device's parallel units (x2), for the decode split
 
-    @staticmethod
-    def to_host(t: torch.Tensor) -> torch.Tensor:
-        """Through pinned memory (torch caches those buffers): a batch's logits, tens of MB, copy at the link's
-        speed instead of through a pageable bounce buffer."""
-        if t.device.type == "cpu":
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()
-        return out
-
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         from ..kv_quant import IntKVCache
 
