@@ -138,7 +138,7 @@ class EngineConfig:
             raise ConfigError(f"preemption_mode must be 'recompute' or 'reserve', got {self.preemption_mode!r}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-        from .platforms import ATTENTION_BACKENDS, resolve_device
+        from .platforms.selection import ATTENTION_BACKENDS, resolve_device
 
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")

@@ -112,8 +112,7 @@ def _reference(q, k_pool, v_pool, tables, ctx_lens, q_lens, scale, k_scale=None,
 
 def kernels(device: str, tiny: bool) -> dict:
     from pagedllm.model_executor.kv_quant import quantize
-    from pagedllm.model_executor.triton_ops.attention import attend
-    from pagedllm.model_executor.triton_ops.backend import device_rows
+    from pagedllm.model_executor.triton_ops.attention import attend, device_rows
 
     h, kvh, d, bs = (8, 2, 64, 16) if tiny else (32, 8, 128, 16)
     cases = {"decode_b64_ctx2048": ([1] * 64, [2048] * 64), "decode_b4_ctx8192": ([1] * 4, [8192] * 4),

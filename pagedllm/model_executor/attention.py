@@ -324,7 +324,7 @@ class MetadataBuilder:
                                  prefills=self._prefills, sliding_window=self.sliding_window, op=self.op,
                                  decode_ctx_lens=self._dec_lens)
         if self.all_rows and self.op is not None:
-            from .triton_ops.backend import device_rows
+            from .triton_ops.attention import device_rows
 
             meta.device_rows = device_rows(self._paged_tables, self._paged_meta, meta.num_decodes, self.device)
         elif self.op is not None and self._paged_meta:

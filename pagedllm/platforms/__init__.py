@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from .memory import host_available_memory
+from .selection import ATTENTION_BACKENDS, resolve_device
 
 if TYPE_CHECKING:
     from .cpu import CpuPlatform
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
 
 
 Platform = Union["CpuPlatform", "TorchDevicePlatform"]
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def current_platform(device: str = "cpu", attention_backend: str = "auto") -> Platform:
@@ -40,18 +40,6 @@ def current_platform(device: str = "cpu", attention_backend: str = "auto") -> Pl
 
 def _gpu(device: str) -> bool:
     return device.split(":")[0] == "cuda"  # CUDA and ROCm builds both name their GPUs "cuda"
-
-
-def resolve_device(device: str, cpu_only: bool = False) -> str:
-    """device "auto": the GPU where torch sees one (unless an option that runs on the CPU only is asked for),
-    else the CPU; any other name as given."""
-    if device != "auto":
-        return device
-    if cpu_only:
-        return "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 __all__ = ["ATTENTION_BACKENDS", "Platform", "current_platform", "host_available_memory", "resolve_device"]

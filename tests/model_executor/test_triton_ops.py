@@ -12,8 +12,11 @@ from pagedllm.model_executor.kv_quant import FP8_DTYPES, dequantize, quantize
 from pagedllm.model_executor.layers.backends import TorchReference
 
 triton = pytest.importorskip("triton")
-from pagedllm.model_executor.triton_ops.attention import attend, decode_splits  # noqa: E402
-from pagedllm.model_executor.triton_ops.backend import device_rows  # noqa: E402
+from pagedllm.model_executor.triton_ops.attention import (  # noqa: E402
+    attend,
+    decode_splits,
+    device_rows,
+)
 from pagedllm.model_executor.triton_ops.kv_write import write_kv  # noqa: E402
 from pagedllm.model_executor.triton_ops.norm import rms_norm  # noqa: E402
 
@@ -52,9 +55,17 @@ def _expected(q, meta, ks, vs, scale, window, sinks):
 SEQS = [(1, 9), (1, 70), (1, 1), (7, 7), (5, 37), (2, 19)]  # (rows, context): decodes, a prompt, chunks, spec rows
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,bs", [(6, 2, 40, 4), (4, 4, 16, 16), (8, 1, 64, 5)])
-@pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("with_sinks", [False, True])
+def _shapes():
+    """GQA with 3 query heads a KV head, no GQA, 8 a KV head; blocks of 4, 16, 5 tokens. The first with a window
+    and sinks is the fast tier's; the interpreter takes ~2.5 s a case."""
+    for i, shape in enumerate([(6, 2, 40, 4), (4, 4, 16, 16), (8, 1, 64, 5)]):
+        for window in (None, 6):
+            for sinks in (False, True):
+                fast = i == 0 and window and sinks
+                yield pytest.param(*shape, window, sinks, marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,bs,window,with_sinks", list(_shapes()))
 def test_attention_over_the_pool_equals_sdpa_on_the_sequences_own_kv(heads, kv_heads, dim, bs, window, with_sinks):
     """Decodes (split over 1 and 3 programs), a fresh prompt, chunks after a prefix and speculative rows in one
     step, with GQA (3 heads a KV head, and 8), block sizes that are not the key tile's, windows and sinks."""

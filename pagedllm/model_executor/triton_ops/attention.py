@@ -263,3 +263,15 @@ def attend(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
                                              out.stride(1), rows.tables.stride(0), scale_log2, win, KVH=kvh, G=g,
                                              G_PAD=g_pad, D=d, BLOCK_D=block_d, BLOCK_Q=block_q, BLOCK_N=64,
                                              HAS_SINKS=sinks is not None, **common)
+
+
+def device_rows(tables: list[list[int]], meta: list[tuple[int, int, int]], num_decodes: int,
+                device: torch.device) -> StepRows:
+    """StepRows from the builder's per-sequence lists: block tables and (q_start, q_len, ctx_len)."""
+    width = max(len(t) for t in tables)
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    cols = torch.tensor(meta, dtype=torch.int32).T.contiguous()  # [3, S]
+    tab, cols = tab.to(device, non_blocking=True), cols.to(device, non_blocking=True)
+    q_lens = [n for _, n, _ in meta[num_decodes:]]
+    ctx = [c for _, _, c in meta[:num_decodes]]
+    return StepRows(tab, cols[0], cols[1], cols[2], num_decodes, max(q_lens, default=0), max(ctx, default=0))

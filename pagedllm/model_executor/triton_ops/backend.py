@@ -12,7 +12,7 @@ import torch
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.backends import TorchReference
-from .attention import StepRows, attend
+from .attention import attend
 from .kv_write import rope_write_kv
 from .norm import rms_norm
 
@@ -48,15 +48,3 @@ class TritonKernels(TorchReference):
         out = torch.empty_like(q)
         attend(out, q, cache.k, cache.v, rows, scale, meta.sliding_window, sinks, k_scale, v_scale, self.programs)
         return out
-
-
-def device_rows(tables: list[list[int]], meta: list[tuple[int, int, int]], num_decodes: int,
-                device: torch.device) -> StepRows:
-    """StepRows from the builder's per-sequence lists: block tables and (q_start, q_len, ctx_len)."""
-    width = max(len(t) for t in tables)
-    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    cols = torch.tensor(meta, dtype=torch.int32).T.contiguous()  # [3, S]
-    tab, cols = tab.to(device, non_blocking=True), cols.to(device, non_blocking=True)
-    q_lens = [n for _, n, _ in meta[num_decodes:]]
-    ctx = [c for _, _, c in meta[:num_decodes]]
-    return StepRows(tab, cols[0], cols[1], cols[2], num_decodes, max(q_lens, default=0), max(ctx, default=0))
