@@ -184,6 +184,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting) + len(self.loading)
 
+    def describe(self) -> str:
+        """The unfinished requests, one per line (for a log when nothing could be scheduled): id, status,
+        tokens computed of known, blocks held, forks not yet made."""
+        lines = [f"{self.bm.num_free_blocks} blocks free"]
+        for where, reqs in (("running", self.running), ("waiting", list(self.waiting.values())),
+                            ("loading", [r for r, _ in self.loading.values()])):
+            for r in reqs:
+                lines.append(f"{where} {r.request_id} {r.status.name} {r.num_computed_tokens}/{r.num_tokens} "
+                             f"tokens, {self.bm.num_blocks_of(r.request_id)} blocks, {len(r.pending_forks)} forks")
+        return "\n".join(lines)
+
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

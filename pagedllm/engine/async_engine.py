@@ -10,6 +10,7 @@ first step has its output waiting there, whenever the handler starts reading.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -77,6 +78,7 @@ class AsyncEngine:
         self.config = config
         self.max_queue_len = max_queue_len
         self.stall_timeout = stall_timeout
+        self.recheck_interval = 1.0  # seconds between looks at a scheduler that could schedule nothing
         self.engine: LLMEngine | None = None
         self.load_error: str | None = None
         self.metrics = ServerMetrics(lambda: self.stats)
@@ -264,6 +266,7 @@ class AsyncEngine:
         if self.on_ready is not None:
             self.on_ready(self.engine)
         log.info("engine loaded: %s", self.engine.model_name)
+        stuck = False  # the last step scheduled nothing
         while True:
             if self._ops:
                 ops, self._ops = self._ops, []
@@ -308,12 +311,16 @@ class AsyncEngine:
                 self.loop_error = None
                 continue
             if self.engine.num_steps == steps:  # nothing could be scheduled: wait for a change, never spin
-                log.warning("no request can be scheduled (%d waiting); waiting for adds or aborts",
-                            len(self.engine.groups))
+                if not stuck:
+                    log.warning("no request can be scheduled; waiting for adds or aborts. The requests:\n%s",
+                                self.engine.scheduler.describe())
+                stuck = True
                 self._wake.clear()
-                if not self._ops:
-                    await self._wake.wait()
+                if not self._ops:  # a second look after a while: a step may free what the next one needs
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), self.recheck_interval)
                 continue
+            stuck = False
             self.last_progress = time.monotonic()
             for out in outs:
                 self._deliver(out)

@@ -173,3 +173,15 @@ def test_a_request_aborted_while_loading_keeps_its_blocks_until_the_read_ends():
     assert s.bm.num_free_blocks == 16 - 3  # still held by the read in flight
     s.finish_loading("a", 3)
     assert s.bm.num_free_blocks == 16 and not s.bm.cached and s.num_unfinished == 0
+
+
+def test_describe_lists_each_unfinished_request_with_its_progress_and_blocks():
+    s = make(max_num_seqs=1)
+    for r in (req("a", 6, 4), req("b", 3, 1)):
+        s.add_request(r)
+    step(s)
+    assert s.describe().splitlines() == [
+        "14 blocks free",
+        "running a RUNNING 6/7 tokens, 2 blocks, 0 forks",
+        "waiting b WAITING 0/3 tokens, 0 blocks, 0 forks",
+    ]
