@@ -21,7 +21,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check pagedllm tests
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=30
 
 # the unit tiers: no server processes, peers, tensor-parallel workers or fallback-ISA builds
 test-fast: $(STAMP)

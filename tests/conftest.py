@@ -38,6 +38,15 @@ ARCHS = {
         head_dim=16, num_hidden_layers=7, sliding_window=24, query_pre_attn_scalar=16,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
+    # 8 layers: sliding and global layers of their own shapes (head 16 x 2 KV heads; 32 x 1, v = k's projection,
+    # proportional rope on a quarter of the pairs); the last 3 share the K/V of layers 2 and 4 and have twice-wide
+    # MLPs; per-layer inputs of 8 per layer
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, num_hidden_layers=8,
+        num_kv_shared_layers=3, hidden_size_per_layer_input=8, vocab_size_per_layer_input=320, sliding_window=24,
+        use_double_wide_mlp=True, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2
+        + ["sliding_attention", "full_attention"])),
     # Phi-4-mini's rope: half of each head rotated, LongRoPE (short factors within the original context)
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
         bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096, partial_rotary_factor=0.5,
@@ -80,11 +89,14 @@ def make_tiny_model(arch: str, path, seed: int = 0):
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
-    if arch.startswith(("gemma3", "qwen3.5")):  # norms away from their zero init, so that (1 + w) is exercised
+    if arch.startswith(("gemma3", "gemma4", "qwen3.5")):  # norms off their init: (1 + w) or w is exercised
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.add_(0.1 * torch.randn_like(p))
+            for name, b in model.named_buffers():
+                if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+                    b.add_(0.2 * torch.randn_like(b))
     if arch.startswith("gpt-oss"):  # biases and sinks away from their zero init, gates past the SwiGLU clamp (7)
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -170,7 +182,15 @@ def smollm():
 def full_layout_kv_memory(config, num_blocks: int, block_size: int, dtype_bytes: int = 4) -> int:
     """The bytes of num_blocks blocks that hold every layer (fp32 by default): a pool of the same memory for any
     layout (a hybrid layout's smaller pages make more blocks of it)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    layers = sum(1 for t in types if t != "linear_attention")  # linear-attention layers keep a state, not KV
-    return num_blocks * block_size * layers * 2 * config.num_key_value_heads * head_dim * dtype_bytes
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * n
+    shared = getattr(config, "kv_sharing_modes", None) or [None] * n  # Gemma 4: "reuse" keeps no KV of its own
+    per_layer = getattr(config, "per_layer_config", None)  # Gemma 4: layers of their own shapes
+    total = 0
+    for i in range(n):
+        if types[i] == "linear_attention" or shared[i] == "reuse":  # a state, or another layer's K/V
+            continue
+        c = per_layer[i] if per_layer is not None else config
+        head_dim = getattr(c, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        total += 2 * c.num_key_value_heads * head_dim
+    return num_blocks * block_size * total * dtype_bytes

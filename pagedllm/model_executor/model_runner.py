@@ -76,7 +76,8 @@ class ModelRunner:
         self.block_pools = [t for c in self.slot_caches for t in c.pools()]
         states = model.state_caches(num_state_slots) if num_state_slots else {}
         self.state_caches = list(states.values())
-        self.caches = [self.slot_caches[j] if j >= 0 else states[i]  # per layer
+        # per layer; None for a layer that keeps neither (it reads another layer's K/V: Gemma 4's shared layers)
+        self.caches = [self.slot_caches[j] if j >= 0 else states.get(i)
                        for i, j in enumerate(self.layout.slot_of_layer)]
         layer, backend = model.layers[0], model.backend  # the backend chose the kernels once, at load
         self.argmax = backend.argmax_rows

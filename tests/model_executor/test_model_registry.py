@@ -264,6 +264,49 @@ def test_the_text_tower_of_a_qwen3_5_multimodal_checkpoint_generates_what_hf_doe
     _text_tower_generates_what_hf_does(hf, tmp_path, "Qwen3_5TextTower", prompt_step=30)
 
 
+def test_the_text_tower_of_a_gemma4_multimodal_checkpoint_generates_what_hf_does(tmp_path) -> None:
+    """The released Gemma 4 models are Gemma4ForConditionalGeneration: the language model's tensors (its per-layer
+    input tables too) under `model.language_model.`, its config under `text_config`; text in, text out."""
+    import torch
+    import transformers
+
+    tc = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, num_kv_shared_layers=1, hidden_size_per_layer_input=8,
+              vocab_size_per_layer_input=320, sliding_window=24, initializer_range=0.15,
+              layer_types=["sliding_attention", "full_attention"] * 2)
+    vc = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+              head_dim=16)
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=tc, vision_config=vc, audio_config=None)).eval()
+    _text_tower_generates_what_hf_does(hf, tmp_path, "Gemma4TextTower", prompt_step=20)
+
+
+def test_gemma4_configs_as_released_and_what_it_refuses() -> None:
+    """The released configs give the global layers' shape as global_head_dim / num_global_key_value_heads (HF
+    turns them into per_layer_config); the KV-shared layers keep no KV; the MoE block is refused by name."""
+    from pagedllm.errors import ModelLoadError
+    from pagedllm.model_executor.models.gemma4 import Gemma4ForCausalLM
+
+    raw = dict(architectures=["Gemma4ForCausalLM"], vocab_size=320, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=64,
+               num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2, sliding_window=24,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1e6}})
+    cfg = Gemma4ForCausalLM.config_from_hf(raw)
+    assert cfg.layer_shapes == ((16, 2), (16, 2), (64, 1)) * 2
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]  # the last sliding / global before them
+    model = Gemma4ForCausalLM(cfg)
+    assert [s is None for s in model.kv_specs()] == [False] * 4 + [True] * 2
+    inv = model.rope_inv_freq("full_attention")  # 64-dim heads: 8 of 32 pairs rotate, the rest stay put
+    assert inv.shape == (32,) and (inv[:8] > 0).all() and (inv[8:] == 0).all()
+    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+        Gemma4ForCausalLM.config_from_hf({**raw, "enable_moe_block": True})
+
+
 def _text_tower_generates_what_hf_does(hf, path, tower: str, prompt_step: int) -> None:
     """A multimodal HF model (norms moved off their init) saved to path: pagedllm loads its language model as
     `tower` and generates HF's greedy tokens for three prompts of 4, 4 + step and 4 + 2 step tokens."""

@@ -26,7 +26,7 @@ from ..layers.formats import FORMATS, WeightFormat, format_of_ggml
 from ..layers.weight_formats import block_bytes_of
 from ..layers.weight_methods import WeightMethods
 from ..models.registry import ModelRegistry, default_registry
-from ..models.weight_names import Linear, Part
+from ..models.weight_names import Linear, Part, has_module
 from .base import (
     LoadedModel,
     build,
@@ -327,6 +327,9 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     else:
         linear(head, wn.lm_head, "")
     param(getattr(model, wn.norm.attr), wn.norm.gguf + ".weight")
+    for extra in wn.extras:
+        if has_module(model, extra.attr):
+            param(model.get_submodule(extra.attr), extra.gguf + ".weight")
     from tqdm import tqdm
 
     # a bar only for loads that take a while (a 7-8B file), on a terminal

@@ -16,6 +16,7 @@ from ...tokenizer import Tokenizer
 from ..layers.weight_formats import BlockRows
 from ..layers.weight_methods import WeightMethods
 from ..models.registry import ModelRegistry
+from ..models.weight_names import has_module
 from .base import (
     LoadedModel,
     build,
@@ -108,6 +109,9 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
 
     param(model, names.embed.attr, names.embed.hf + ".weight", vocab_rows=True)
     param(model, names.norm.attr, names.norm.hf + ".weight")
+    for extra in names.extras:
+        if has_module(model, extra.attr):
+            param(model, extra.attr, extra.hf + ".weight")
     if cfg.tie_word_embeddings:
         model.tie_lm_head()
     else:

@@ -35,6 +35,8 @@ _BUILTIN: dict[str, ModelEntry] = {
     "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3"),
     "Gemma3ForCausalLM": ModelEntry("gemma3:Gemma3ForCausalLM", gguf="gemma3"),
     "Gemma3ForConditionalGeneration": ModelEntry("gemma3:Gemma3TextTower"),
+    "Gemma4ForCausalLM": ModelEntry("gemma4:Gemma4ForCausalLM"),
+    "Gemma4ForConditionalGeneration": ModelEntry("gemma4:Gemma4TextTower"),
     "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
     "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),

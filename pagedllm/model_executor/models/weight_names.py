@@ -71,6 +71,9 @@ class WeightNames:
     # per expert of a mixture-of-experts layer: `{e}` in attr and HF names stands for the expert's index; the
     # GGUF name is the 3-D tensor holding every expert (`ffn_gate_exps`), of which expert e is slice e
     experts: tuple[Linear, ...] = ()
+    # top-level tensors beyond the table, the final norm and lm_head, loaded as they are where the model has the
+    # module (Gemma 4's per-layer input tables); full HF names, GGUF names without a layer prefix
+    extras: tuple[Param, ...] = ()
     hf_layer: str = "model.layers.{}."
     gguf_layer: str = "blk.{}."
     gguf_interleaved_rope: frozenset[str] = frozenset()  # GGUF architectures whose q/k rows were interleaved
@@ -82,6 +85,8 @@ class WeightNames:
         out: dict[str, tuple[str, str | None]] = {self.embed.gguf: (self.embed.hf, None),
                                                   self.norm.gguf: (self.norm.hf, None)}
         for p in self.lm_head.parts:
+            out[p.gguf] = (p.hf, None)
+        for p in self.extras:
             out[p.gguf] = (p.hf, None)
         for lin in self.linears:
             for p in lin.parts:

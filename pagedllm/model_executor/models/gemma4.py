@@ -1,0 +1,291 @@
+"""Gemma 4 (text: `Gemma4ForCausalLM`; the language model of `Gemma4ForConditionalGeneration` checkpoints).
+
+What differs from Gemma 3:
+- Layers of two kinds with their own shapes: sliding-window layers (`head_dim`, `num_key_value_heads`, the
+  local rope) and global layers (their own head size and KV heads: `per_layer_config`, or `global_head_dim` and
+  `num_global_key_value_heads`; a "proportional" rope that rotates the leading `partial_rotary_factor` of each
+  head's frequency pairs and leaves the others at frequency 0, so one full-width rope table serves it).
+- q and k normalized per head with weights, v per head without; attention unscaled (scale 1).
+- `attention_k_eq_v`: a global layer has no v projection; v is its k projection (before the k norm and rope).
+- KV sharing: the last `num_kv_shared_layers` layers project only q and attend over the K/V of the last earlier
+  layer of their kind, so they keep nothing in the KV pool (`kv_specs` None); their MLPs may be twice as wide.
+- Per-layer inputs (PLE): a second token table holds a small vector per token for every layer, mixed with a
+  projection of the embeddings; each layer gates it with its output and adds it to the stream.
+- Norms scale by w (not 1 + w); each layer's output stream is multiplied by a learned `layer_scalar`.
+
+Not yet: the mixture-of-experts block (26B-A4B), bidirectional attention, GGUF files of this family. Layers of
+the two kinds differ in shape, so their KV shares one group with full tables (no sliding-window savings yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...core.kv_spec import KVSpec
+from ...errors import ModelLoadError
+from ..attention import AttentionMetadata
+from ..kv_cache import KVCache
+from ..layers.linear import PackedLinear, VocabEmbedding
+from .config import ModelConfig, text_config_of
+from .gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM
+from .llama import RMSNorm
+from .weight_names import Linear, Param, Part
+
+_GEMMA3 = Gemma3ForCausalLM.WEIGHTS
+
+
+@dataclasses.dataclass
+class Gemma4Config(ModelConfig):
+    layer_shapes: tuple[tuple[int, int], ...] = ()  # per layer: (head_dim, num_kv_heads)
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    per_layer_input_size: int = 0  # hidden_size_per_layer_input; 0: no per-layer inputs
+    per_layer_vocab_size: int = 0
+    double_wide_mlp: bool = False
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose K/V layer i attends over: itself, or for a KV-shared layer the last layer of its kind
+        before the shared ones."""
+        first_shared = self.num_layers - self.num_kv_shared_layers
+        if i < first_shared:
+            return i
+        for j in range(first_shared - 1, -1, -1):
+            if self.layer_types[j] == self.layer_types[i]:
+                return j
+        raise ModelLoadError(f"layer {i} shares the K/V of an earlier {self.layer_types[i]} layer; there is none")
+
+
+def _v_norm(v: torch.Tensor, eps: float) -> None:
+    """RMSNorm without a weight over each head of v [T, KVH, D], in place, in fp32 as HF computes it."""
+    f = v.float()
+    v.copy_(f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class Gemma4DecoderLayer(Gemma3DecoderLayer):
+    def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
+        head_dim, kv_heads = cfg.layer_shapes[index]
+        self.shares_kv = cfg.kv_source(index) != index
+        wide = 2 if cfg.double_wide_mlp and self.shares_kv else 1
+        own = dataclasses.replace(cfg, head_dim=head_dim, num_kv_heads=kv_heads,
+                                  intermediate_size=cfg.intermediate_size * wide)
+        super().__init__(own, biases, index)
+        self.scale = 1.0
+        self.k_eq_v = cfg.attention_k_eq_v and cfg.layer_types[index] == FULL
+        q_size, kv_size = self.q_size, self.kv_size
+        del self.qkv_proj
+        if self.shares_kv:  # q alone: k and v are the source layer's
+            self.q_proj = PackedLinear(cfg.hidden_size, q_size, "q_proj" in biases)
+            del self.k_norm
+        elif self.k_eq_v:
+            self.qk_proj = PackedLinear(cfg.hidden_size, q_size + kv_size, "qk_proj" in biases)
+        else:
+            self.qkv_proj = PackedLinear(cfg.hidden_size, q_size + 2 * kv_size, "qkv_proj" in biases)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.per_layer_input_size = cfg.per_layer_input_size
+        if cfg.per_layer_input_size:
+            self.per_layer_input_gate = PackedLinear(cfg.hidden_size, cfg.per_layer_input_size, False)
+            self.per_layer_projection = PackedLinear(cfg.per_layer_input_size, cfg.hidden_size, False)
+            self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
+        """[T, (H + 2 KVH) D]: q and k normalized with their weights, v without (k_eq_v: v is k's projection)."""
+        if self.k_eq_v:
+            qk = self.qk_proj(h, decode_rows)  # [T, (H + KVH) D]
+            qkv = torch.cat([qk, qk[:, self.q_size:]], dim=1)
+        else:
+            qkv = self.qkv_proj(h, decode_rows)
+        self.backend.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
+                             self.num_kv_heads, self.head_dim)
+        _v_norm(qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim), self.q_norm.eps)
+        return qkv
+
+    def attend(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               meta: AttentionMetadata, shared: dict[int, torch.Tensor], source: int) -> torch.Tensor:
+        """The attention block: [T, hidden] -> [T, hidden]. A layer others share keeps its normalized k and v
+        (before rope) in `shared` under its index; a sharing layer hands the source's back with its q, so the
+        write puts the same bytes in the same slots and the attention reads the source's K/V."""
+        nd = meta.num_decode_rows
+        if self.shares_kv:
+            q = self.q_proj(h, nd)  # [T, H D]
+            t, d = q.shape[0], self.head_dim
+            rows = q.view(-1, d).contiguous()  # [T H, D]
+            q = self.backend.rms_norm(self.q_norm.weight, self.q_norm.eps, rows, None)[0].view(t, -1)
+            qkv = torch.cat([q, shared[source]], dim=1)
+        else:
+            qkv = self.project_qkv(h, nd)
+            if source in shared:  # a later layer reads these: kept before the kernels rope k in place
+                shared[source] = qkv[:, self.q_size:].clone()
+        a = self.backend.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
+                                   self.scale, None)  # [T, H, D]
+        return self.o_proj(a.view(h.shape[0], self.q_size), nd)
+
+    def forward_stream(self, x: torch.Tensor, per_layer: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata, shared: dict[int, torch.Tensor],
+                       source: int) -> torch.Tensor:
+        """x: the residual stream [T, hidden] (the kernels may add into it in place) -> the next one."""
+        be = self.backend
+        meta = meta.for_window(self.sliding_window)
+        h, stream = self.input_layernorm(x, None, be)
+        o, _ = self.post_attention_layernorm(self.attend(h, cos, sin, cache, meta, shared, source), None, be)
+        h, stream = self.pre_feedforward_layernorm(o, stream, be)
+        m, _ = self.post_feedforward_layernorm(self.feed_forward(h, meta.num_decode_rows), None, be)
+        stream = stream + m
+        if self.per_layer_input_size:
+            g = F.gelu(self.per_layer_input_gate(stream, meta.num_decode_rows), approximate="tanh") * per_layer
+            p, _ = self.post_per_layer_input_norm(self.per_layer_projection(g, meta.num_decode_rows), None, be)
+            stream = stream + p
+        return stream * self.layer_scalar
+
+
+class _Weight(nn.Module):
+    """A tensor the model multiplies by itself (the per-layer inputs' projection)."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+
+
+class Gemma4ForCausalLM(Gemma3ForCausalLM):
+    layer_cls = Gemma4DecoderLayer
+    supports_tensor_parallel = False
+    WEIGHTS = dataclasses.replace(
+        _GEMMA3,
+        linears=(
+            *_GEMMA3.linears,
+            Linear("qk_proj", (Part("self_attn.q_proj", "attn_q"), Part("self_attn.k_proj", "attn_k"))),
+            Linear("q_proj", (Part("self_attn.q_proj", "attn_q"),)),
+            Linear("per_layer_input_gate", (Part("per_layer_input_gate", "inp_gate"),)),
+            Linear("per_layer_projection", (Part("per_layer_projection", "proj"),)),
+        ),
+        norms=(*_GEMMA3.norms, Param("post_per_layer_input_norm", "post_per_layer_input_norm", "post_norm"),
+               Param("layer_scalar", "layer_scalar", "layer_output_scale")),
+        extras=(Param("embed_tokens_per_layer", "model.embed_tokens_per_layer", "per_layer_token_embd"),
+                Param("per_layer_model_projection", "model.per_layer_model_projection", "per_layer_model_proj"),
+                Param("per_layer_projection_norm", "model.per_layer_projection_norm", "per_layer_proj_norm")),
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> Gemma4Config:
+        if raw.get("enable_moe_block"):
+            raise ModelLoadError("Gemma 4's mixture-of-experts block (26B-A4B) is not supported yet")
+        if raw.get("use_bidirectional_attention") == "all":
+            raise ModelLoadError("Gemma 4 with bidirectional attention is not supported (decoding is causal)")
+        base = Gemma3ForCausalLM.config_from_hf(raw)
+        n, types = base.num_layers, base.layer_types
+        overrides = {int(k): v for k, v in (raw.get("per_layer_config") or {}).items()}
+        if not overrides:  # the released configs: the global layers' shape in two fields
+            glob = {"head_dim": raw.get("global_head_dim", 512)}
+            if raw.get("attention_k_eq_v", True) and raw.get("num_global_key_value_heads") is not None:
+                glob["num_key_value_heads"] = raw["num_global_key_value_heads"]
+            overrides = {i: glob for i in range(n) if types[i] == FULL}
+        shapes = tuple((overrides.get(i, {}).get("head_dim", base.head_dim),
+                        overrides.get(i, {}).get("num_key_value_heads", base.num_kv_heads)) for i in range(n))
+        params = raw.get("rope_parameters") or {}
+        rope = {kind: dict(p) for kind, p in params.items() if p and kind in (SLIDING, FULL)}
+        for kind, p in rope.items():
+            if p.get("rope_type", "default") not in ("default", "proportional"):
+                raise ModelLoadError(f"Gemma 4 {kind} layers: rope type {p['rope_type']!r} is not supported")
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        return Gemma4Config(
+            **{**fields, "rope_by_layer_type": rope},
+            layer_shapes=shapes,
+            attention_k_eq_v=bool(raw.get("attention_k_eq_v", False)),
+            num_kv_shared_layers=raw.get("num_kv_shared_layers") or 0,
+            per_layer_input_size=raw.get("hidden_size_per_layer_input") or 0,
+            per_layer_vocab_size=raw.get("vocab_size_per_layer_input") or raw["vocab_size"],
+            double_wide_mlp=bool(raw.get("use_double_wide_mlp", False)),
+        )
+
+    @classmethod
+    def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: Gemma4Config) -> None:
+        """The per-layer output scale is a buffer in HF's checkpoints (no `.weight`)."""
+        for name in [k for k in sd if k.endswith(".layer_scalar")]:
+            sd[name + ".weight"] = sd.pop(name)
+
+    def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset()) -> None:
+        super().__init__(cfg, biases)
+        self.kv_sources = [cfg.kv_source(i) for i in range(cfg.num_layers)]
+        p = cfg.per_layer_input_size
+        if p:
+            self.embed_tokens_per_layer = VocabEmbedding(cfg.per_layer_vocab_size, cfg.num_layers * p)
+            self.per_layer_model_projection = _Weight(cfg.num_layers * p, cfg.hidden_size)
+            self.per_layer_projection_norm = RMSNorm(p, cfg.rms_norm_eps)
+
+    def kv_specs(self) -> list[KVSpec | None]:
+        """A KV-shared layer keeps nothing of its own."""
+        return [None if layer.shares_kv else KVSpec(layer.num_kv_heads, layer.head_dim, layer.sliding_window)
+                for layer in self.layers]
+
+    def rope_inv_freq(self, key: str) -> torch.Tensor:
+        """The layers of a kind share a head size; "proportional": the leading pairs rotate, the rest do not."""
+        r = self.cfg.rope_by_layer_type[key]
+        d = self._head_dim_of(key)
+        rotated = int(r.get("partial_rotary_factor", 1.0) * d // 2) if r.get("rope_type") == "proportional" else d // 2
+        inv = 1.0 / (r["rope_theta"] ** (torch.arange(0, 2 * rotated, 2, dtype=torch.float32) / d))
+        return torch.cat([inv, torch.zeros(d // 2 - rotated)]) / r.get("factor", 1.0)
+
+    def rope_attention_scale(self, key: str) -> torch.Tensor:
+        return torch.ones(self._head_dim_of(key) // 2)
+
+    def _head_dim_of(self, key: str) -> int:
+        return next(layer.head_dim for layer in self.layers if layer.rope_key == key)
+
+    def after_load(self, source: str) -> None:
+        """Gemma 4's norms scale by w in both formats: nothing to shift."""
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """[T, layers, P]: the token's own vectors and the embeddings' projection, normalized, mixed."""
+        if not self.cfg.per_layer_input_size:
+            return None
+        t, n, p = x.shape[0], self.cfg.num_layers, self.cfg.per_layer_input_size
+        own = self.embed_tokens_per_layer(input_ids).view(t, n, p) * torch.tensor(math.sqrt(p), dtype=x.dtype)
+        proj = F.linear(x, self.per_layer_model_projection.weight) * torch.tensor(self.cfg.hidden_size ** -0.5,
+                                                                                   dtype=x.dtype)
+        proj, _ = self.per_layer_projection_norm(proj.view(t * n, p).contiguous(), None, self.backend)
+        return (proj.view(t, n, p) + own) * torch.tensor(2.0 ** -0.5, dtype=x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[KVCache | None],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns logits [len(logits_indices), vocab] in fp32."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        per_layer = self.per_layer_inputs(input_ids, x)  # before layer 0 adds into x in place
+        ropes = {key: self._rope(positions, x.dtype, key) for key in dict.fromkeys(lay.rope_key for lay in self.layers)}
+        # the source layers' normalized k and v, [T, 2 KVH D], for the layers that share them
+        shared: dict[int, torch.Tensor | None] = {src: None for i, src in enumerate(self.kv_sources) if src != i}
+        for i, layer in enumerate(self.layers):
+            src = self.kv_sources[i]
+            x = layer.forward_stream(x, per_layer[:, i] if per_layer is not None else None, *ropes[layer.rope_key],
+                                     caches[src], meta.for_layer(src), shared, src)
+        if logits_indices.numel() == 0:
+            return torch.zeros(0, self.cfg.vocab_size, device=x.device)
+        h, _ = self.norm(x[logits_indices], None, self.backend)
+        logits = self.lm_head(h, meta.num_decode_rows).float()  # [R, vocab]
+        if self.final_logit_softcapping is not None:
+            c = self.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+
+class Gemma4TextTower(Gemma4ForCausalLM):
+    """The language model of a `Gemma4ForConditionalGeneration` checkpoint (the released Gemma 4 models): text in,
+    text out; the vision and audio towers' tensors are not read."""
+
+    WEIGHTS = dataclasses.replace(
+        Gemma4ForCausalLM.WEIGHTS,
+        embed=Param("embed_tokens", "model.language_model.embed_tokens", "token_embd"),
+        norm=Param("norm", "model.language_model.norm", "output_norm"),
+        hf_layer="model.language_model.layers.{}.",
+        extras=tuple(dataclasses.replace(p, hf=p.hf.replace("model.", "model.language_model.", 1))
+                     for p in Gemma4ForCausalLM.WEIGHTS.extras),
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: dict) -> Gemma4Config:
+        return super().config_from_hf(text_config_of(raw))
