@@ -47,6 +47,11 @@ ARCHS = {
         use_double_wide_mlp=True, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2
         + ["sliding_attention", "full_attention"])),
+    # the mixture-of-experts block beside each dense MLP (top 2 of 4 GeGLU experts), no per-layer inputs
+    "gemma4-moe": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        head_dim=16, global_head_dim=32, num_hidden_layers=4, sliding_window=24, enable_moe_block=True, num_experts=4,
+        top_k_experts=2, moe_intermediate_size=32, hidden_size_per_layer_input=0,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
     # Phi-4-mini's rope: half of each head rotated, LongRoPE (short factors within the original context)
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
         bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096, partial_rotary_factor=0.5,
@@ -92,7 +97,7 @@ def make_tiny_model(arch: str, path, seed: int = 0):
     if arch.startswith(("gemma3", "gemma4", "qwen3.5")):  # norms off their init: (1 + w) or w is exercised
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                     p.add_(0.1 * torch.randn_like(p))
             for name, b in model.named_buffers():
                 if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale

@@ -283,9 +283,10 @@ def test_the_text_tower_of_a_gemma4_multimodal_checkpoint_generates_what_hf_does
     _text_tower_generates_what_hf_does(hf, tmp_path, "Gemma4TextTower", prompt_step=20)
 
 
-def test_gemma4_configs_as_released_and_what_it_refuses() -> None:
+def test_gemma4_configs_as_released_and_what_they_give() -> None:
     """The released configs give the global layers' shape as global_head_dim / num_global_key_value_heads (HF
-    turns them into per_layer_config); the KV-shared layers keep no KV; the MoE block is refused by name."""
+    turns them into per_layer_config); the KV-shared layers keep no KV; the experts' fields; bidirectional
+    attention is refused by name."""
     from pagedllm.errors import ModelLoadError
     from pagedllm.model_executor.models.gemma4 import Gemma4ForCausalLM
 
@@ -303,8 +304,11 @@ def test_gemma4_configs_as_released_and_what_it_refuses() -> None:
     assert [s is None for s in model.kv_specs()] == [False] * 4 + [True] * 2
     inv = model.rope_inv_freq("full_attention")  # 64-dim heads: 8 of 32 pairs rotate, the rest stay put
     assert inv.shape == (32,) and (inv[:8] > 0).all() and (inv[8:] == 0).all()
-    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
-        Gemma4ForCausalLM.config_from_hf({**raw, "enable_moe_block": True})
+    moe = Gemma4ForCausalLM.config_from_hf({**raw, "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+                                            "moe_intermediate_size": 32})
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 32)
+    with pytest.raises(ModelLoadError, match="bidirectional"):
+        Gemma4ForCausalLM.config_from_hf({**raw, "use_bidirectional_attention": "all"})
 
 
 def _text_tower_generates_what_hf_does(hf, path, tower: str, prompt_step: int) -> None:

@@ -17,8 +17,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.slow  # engines end to end: the full suite, not the fast tier
 
-ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "gemma4", "mixtral",
-         "qwen3-moe", "olmoe", "gpt-oss", "qwen3.5", "qwen3.5-moe"]
+ARCHS = ["llama", "llama3-rope", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "gemma4", "gemma4-moe",
+         "mixtral", "qwen3-moe", "olmoe", "gpt-oss", "qwen3.5", "qwen3.5-moe"]
 PROMPT_LENS = [1, 7, 16, 17, 60, 129, 250, 300]
 
 

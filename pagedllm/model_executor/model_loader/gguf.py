@@ -339,7 +339,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         for spec, expert in layer_linears(wn, layer):
             linear(layer.get_submodule(spec.attr), spec, prefix, expert)
         for n in wn.norms:
-            if hasattr(layer, n.attr):  # a layer of one kind skips the other kind's
+            if hasattr(layer, n.attr) or has_module(layer, n.attr):  # a layer of one kind skips the other kind's
                 set_param(layer, n, f.dense(f"{prefix}{n.gguf}.weight"), tp)
     for kind, n in dequantized.items():
         log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,

@@ -121,7 +121,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         for spec, _ in layer_linears(names, layer):
             linear(layer, spec, prefix)
         for n in names.norms:
-            if hasattr(layer, n.attr):  # a layer of one kind skips the other kind's (Qwen3.5)
+            if hasattr(layer, n.attr) or has_module(layer, n.attr):  # a layer of one kind skips the other's
                 set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), tp)
     sd.clear()  # the loaded tensors now belong to the model (or were cut from)
     if blocks_dequantized:

@@ -12,9 +12,12 @@ What differs from Gemma 3:
 - Per-layer inputs (PLE): a second token table holds a small vector per token for every layer, mixed with a
   projection of the embeddings; each layer gates it with its output and adds it to the stream.
 - Norms scale by w (not 1 + w); each layer's output stream is multiplied by a learned `layer_scalar`.
+- `enable_moe_block` (26B-A4B): beside the dense MLP, routed GeGLU experts; the router reads the stream before
+  the MLP (normalized, scaled per channel and by hidden ** -0.5), renormalizes its top k and scales each pick by
+  its expert's learned scale; the two outputs are normalized apart and summed.
 
-Not yet: the mixture-of-experts block (26B-A4B), bidirectional attention, GGUF files of this family. Layers of
-the two kinds differ in shape, so their KV shares one group with full tables (no sliding-window savings yet).
+Not yet: bidirectional attention, GGUF files of this family. Layers of the two kinds differ in shape, so their
+KV shares one group with full tables (no sliding-window savings yet).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ...core.kv_spec import KVSpec
 from ...errors import ModelLoadError
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
+from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
 from .config import ModelConfig, text_config_of
 from .gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM
@@ -66,14 +70,52 @@ def _v_norm(v: torch.Tensor, eps: float) -> None:
     v.copy_(f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps))
 
 
+class _Weight(nn.Module):
+    """A tensor the model multiplies by itself (the per-layer inputs' projection, the experts' scales)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Gemma4MoE(FusedMoE):
+    """Routed GeGLU experts whose router reads its own input (the stream before the MLP)."""
+
+    def __init__(self, cfg: Gemma4Config) -> None:
+        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         renormalize=True, act="gelu_tanh")
+        self.router_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # its weight: the router's per-channel scale
+        self.expert_scale = _Weight(cfg.num_experts)
+        self.hidden_scale = cfg.hidden_size ** -0.5
+
+    def route_stream(self, stream: torch.Tensor, decode_rows: int, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k], expert ids [T, top_k]) of the stream before the MLP [T, hidden]."""
+        x, _ = self.router_norm(stream, None, backend)
+        weights, ids = self.route(x * torch.tensor(self.hidden_scale, dtype=x.dtype), decode_rows)
+        return weights * self.expert_scale.weight[ids].to(weights.dtype), ids
+
+    def forward_routed(self, stream: torch.Tensor, h: torch.Tensor, decode_rows: int, backend) -> torch.Tensor:
+        """Routed by the stream, the experts run on h (the stream normalized for them): [T, hidden]."""
+        weights, ids = self.route_stream(stream, decode_rows, backend)
+        out = backend.moe_experts(self, h, ids, weights, decode_rows)
+        if out is None:
+            out = self.run_experts(h, ids, weights, decode_rows, backend)
+        return out.to(h.dtype)
+
+
 class Gemma4DecoderLayer(Gemma3DecoderLayer):
     def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
         head_dim, kv_heads = cfg.layer_shapes[index]
         self.shares_kv = cfg.kv_source(index) != index
         wide = 2 if cfg.double_wide_mlp and self.shares_kv else 1
         own = dataclasses.replace(cfg, head_dim=head_dim, num_kv_heads=kv_heads,
-                                  intermediate_size=cfg.intermediate_size * wide)
-        super().__init__(own, biases, index)
+                                  intermediate_size=cfg.intermediate_size * wide, num_experts=0)
+        super().__init__(own, biases, index)  # the dense MLP; the experts, if any, beside it
+        if cfg.num_experts:
+            self.mlp = Gemma4MoE(cfg)
+            self.post_feedforward_layernorm_1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = 1.0
         self.k_eq_v = cfg.attention_k_eq_v and cfg.layer_types[index] == FULL
         q_size, kv_size = self.q_size, self.kv_size
@@ -132,22 +174,21 @@ class Gemma4DecoderLayer(Gemma3DecoderLayer):
         meta = meta.for_window(self.sliding_window)
         h, stream = self.input_layernorm(x, None, be)
         o, _ = self.post_attention_layernorm(self.attend(h, cos, sin, cache, meta, shared, source), None, be)
+        nd = meta.num_decode_rows
         h, stream = self.pre_feedforward_layernorm(o, stream, be)
-        m, _ = self.post_feedforward_layernorm(self.feed_forward(h, meta.num_decode_rows), None, be)
+        m = self.down_proj(be.gate_up_act(self.gate_up_proj, h, nd, self.act), nd)  # the dense MLP
+        if self.mlp is not None:
+            m, _ = self.post_feedforward_layernorm_1(m, None, be)
+            h2, _ = self.pre_feedforward_layernorm_2(stream, None, be)
+            e, _ = self.post_feedforward_layernorm_2(self.mlp.forward_routed(stream, h2, nd, be), None, be)
+            m = m + e
+        m, _ = self.post_feedforward_layernorm(m, None, be)
         stream = stream + m
         if self.per_layer_input_size:
-            g = F.gelu(self.per_layer_input_gate(stream, meta.num_decode_rows), approximate="tanh") * per_layer
-            p, _ = self.post_per_layer_input_norm(self.per_layer_projection(g, meta.num_decode_rows), None, be)
+            g = F.gelu(self.per_layer_input_gate(stream, nd), approximate="tanh") * per_layer
+            p, _ = self.post_per_layer_input_norm(self.per_layer_projection(g, nd), None, be)
             stream = stream + p
         return stream * self.layer_scalar
-
-
-class _Weight(nn.Module):
-    """A tensor the model multiplies by itself (the per-layer inputs' projection)."""
-
-    def __init__(self, rows: int, cols: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
 
 
 class Gemma4ForCausalLM(Gemma3ForCausalLM):
@@ -161,9 +202,17 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             Linear("q_proj", (Part("self_attn.q_proj", "attn_q"),)),
             Linear("per_layer_input_gate", (Part("per_layer_input_gate", "inp_gate"),)),
             Linear("per_layer_projection", (Part("per_layer_projection", "proj"),)),
+            Linear("mlp.gate", (Part("router.proj", "ffn_gate_inp"),), "replicated"),
         ),
         norms=(*_GEMMA3.norms, Param("post_per_layer_input_norm", "post_per_layer_input_norm", "post_norm"),
-               Param("layer_scalar", "layer_scalar", "layer_output_scale")),
+               Param("layer_scalar", "layer_scalar", "layer_output_scale"),
+               Param("post_feedforward_layernorm_1", "post_feedforward_layernorm_1", "post_ffw_norm_1"),
+               Param("pre_feedforward_layernorm_2", "pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
+               Param("post_feedforward_layernorm_2", "post_feedforward_layernorm_2", "post_ffw_norm_2"),
+               Param("mlp.router_norm", "router.scale", "ffn_gate_inp_scale"),
+               Param("mlp.expert_scale", "router.per_expert_scale", "ffn_down_exps_scale")),
+        experts=(Linear("mlp.experts.{e}.gate_up_proj", (Part("experts.{e}.gate_up_proj", "ffn_gate_up_exps"),)),
+                 Linear("mlp.experts.{e}.down_proj", (Part("experts.{e}.down_proj", "ffn_down_exps"),), "row")),
         extras=(Param("embed_tokens_per_layer", "model.embed_tokens_per_layer", "per_layer_token_embd"),
                 Param("per_layer_model_projection", "model.per_layer_model_projection", "per_layer_model_proj"),
                 Param("per_layer_projection_norm", "model.per_layer_projection_norm", "per_layer_proj_norm")),
@@ -171,8 +220,6 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
     @classmethod
     def config_from_hf(cls, raw: dict) -> Gemma4Config:
-        if raw.get("enable_moe_block"):
-            raise ModelLoadError("Gemma 4's mixture-of-experts block (26B-A4B) is not supported yet")
         if raw.get("use_bidirectional_attention") == "all":
             raise ModelLoadError("Gemma 4 with bidirectional attention is not supported (decoding is causal)")
         base = Gemma3ForCausalLM.config_from_hf(raw)
@@ -191,8 +238,12 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             if p.get("rope_type", "default") not in ("default", "proportional"):
                 raise ModelLoadError(f"Gemma 4 {kind} layers: rope type {p['rope_type']!r} is not supported")
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        moe = bool(raw.get("enable_moe_block"))  # every layer: the dense MLP and the experts beside it
+        fields.update(rope_by_layer_type=rope, num_experts=raw["num_experts"] if moe else 0,
+                      num_experts_per_tok=raw["top_k_experts"] if moe else 0,
+                      moe_intermediate_size=raw["moe_intermediate_size"] if moe else 0, dense_layers=())
         return Gemma4Config(
-            **{**fields, "rope_by_layer_type": rope},
+            **fields,
             layer_shapes=shapes,
             attention_k_eq_v=bool(raw.get("attention_k_eq_v", False)),
             num_kv_shared_layers=raw.get("num_kv_shared_layers") or 0,
@@ -203,9 +254,15 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
     @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: Gemma4Config) -> None:
-        """The per-layer output scale is a buffer in HF's checkpoints (no `.weight`)."""
-        for name in [k for k in sd if k.endswith(".layer_scalar")]:
+        """HF's checkpoints keep the per-layer output scale and the router's scales without `.weight`, and every
+        expert of a layer in one tensor: [E, 2 I, H] (gate | up) and [E, H, I], sliced here per expert."""
+        for name in [k for k in sd if k.endswith((".layer_scalar", ".router.scale", ".router.per_expert_scale"))]:
             sd[name + ".weight"] = sd.pop(name)
+        for name in [k for k in sd if k.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+            stacked = sd.pop(name)
+            head, _, proj = name.rpartition(".")
+            for e in range(stacked.shape[0]):
+                sd[f"{head}.{e}.{proj}.weight"] = stacked[e]
 
     def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset()) -> None:
         super().__init__(cfg, biases)
