@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import parse_size
 from ..core.kv_spec import KVSpec, plan_kv_layout
 from ..model_executor.layers.formats import FORMATS
+from ..model_executor.models.config import per_layer_attention
 
 KV_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
 INT_KV_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # per 32 values of a head: an fp16 scale, then the values
@@ -40,6 +41,14 @@ class ModelShape:
     layer_windows: tuple[int | None, ...] = ()  # each KV layer's sliding window (None: full); () every one full
     state_layers: int = 0  # layers that keep a fixed state per sequence instead of KV (linear attention)
     state_bytes_per_seq: int = 0  # those layers' state, one sequence (fp32)
+    layer_kv: tuple[tuple[int, int], ...] = ()  # each KV layer's (KV heads, head_dim) where they differ; () the above
+    shared_kv_layers: int = 0  # layers that attend over an earlier layer's K/V and keep none (Gemma 4)
+
+    def kv_specs(self) -> list[KVSpec]:
+        """The layers that keep KV, as the engine's model declares them."""
+        n = self.num_layers - self.state_layers - self.shared_kv_layers
+        shapes = self.layer_kv or ((self.num_kv_heads, self.head_dim),) * n
+        return [KVSpec(h, d, w) for (h, d), w in zip(shapes, self.layer_windows or (None,) * n)]
 
     @property
     def num_params(self) -> int:
@@ -94,12 +103,23 @@ def shape_from_hf_config(cfg: dict, name: str) -> ModelShape:
     heads = cfg["num_attention_heads"]
     experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     state_layers, state_bytes = linear_attention_state(cfg)
-    return ModelShape(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
-                      cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                      cfg["intermediate_size"], cfg["vocab_size"], cfg.get("max_position_embeddings", 2048),
-                      cfg.get("tie_word_embeddings", False), num_experts=experts,
-                      moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-                      layer_windows=hf_layer_windows(cfg), state_layers=state_layers, state_bytes_per_seq=state_bytes)
+    shape = ModelShape(name, cfg["num_hidden_layers"], cfg["hidden_size"], heads,
+                       cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                       cfg["intermediate_size"], cfg["vocab_size"], cfg.get("max_position_embeddings", 2048),
+                       cfg.get("tie_word_embeddings", False), num_experts=experts,
+                       moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+                       layer_windows=hf_layer_windows(cfg), state_layers=state_layers,
+                       state_bytes_per_seq=state_bytes)
+    if str(cfg.get("model_type", "")).startswith("gemma4"):  # layers of their own shapes; shared layers keep no KV
+        n, window = shape.num_layers, cfg.get("sliding_window")
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                           for i in range(n)]
+        shapes, sources = per_layer_attention(cfg, types)
+        own = [i for i in range(n) if sources[i] == i]
+        shape.layer_kv = tuple((shapes[i][1], shapes[i][0]) for i in own)
+        shape.layer_windows = tuple(window if types[i] == "sliding_attention" else None for i in own)
+        shape.shared_kv_layers = n - len(own)
+    return shape
 
 
 # the sliding-window layers llama.cpp fixes in code per architecture (the file gives only the window)
@@ -157,37 +177,40 @@ def check_kv_dtype(kv_dtype: str) -> None:
                          f"integer formats such as q8_0/q4_0, got {kv_dtype!r}")
 
 
+def _token_bytes(specs: list[KVSpec], kv_dtype: str) -> int:
+    """One token's K and V in these layers. kv_dtype: one format for K and V, or "K/V" integer formats."""
+    k, _, v = kv_dtype.partition("/")
+    return int(sum(s.num_kv_heads * (_head_bytes(k, s.head_dim) + _head_bytes(v or k, s.head_dim)) for s in specs))
+
+
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str) -> int:
     """kv_dtype: one format for K and V, or "K/V" integer formats (q8_0/q4_0)."""
-    k, _, v = kv_dtype.partition("/")
-    per_head = _head_bytes(k, shape.head_dim) + _head_bytes(v or k, shape.head_dim)
-    return int((shape.num_layers - shape.state_layers) * shape.num_kv_heads * per_head)
+    return _token_bytes(shape.kv_specs(), kv_dtype)
 
 
 def kv_bytes_per_sequence(shape: ModelShape, kv_dtype: str, num_tokens: int, block_size: int,
                           hybrid: bool = True) -> int:
     """The paged KV one sequence of num_tokens holds while it decodes: every layer's blocks, or with the
     hybrid layout a full-attention group's every block and a sliding group's window (the engine's pages)."""
-    kv_layers = shape.num_layers - shape.state_layers
-    per_layer = kv_bytes_per_token(shape, kv_dtype) // kv_layers
-    windows = shape.layer_windows or (None,) * kv_layers
-    layout = plan_kv_layout([KVSpec(shape.num_kv_heads, shape.head_dim, w) for w in windows], hybrid)
+    specs = shape.kv_specs()
+    layout = plan_kv_layout(specs, hybrid)
+    page = _token_bytes(layout.slot_specs(specs), kv_dtype)  # a block id is one page across the slot tensors
     blocks = 0
     for g in layout.groups:
         held = -(-num_tokens // block_size)
         if g.sliding_window is not None:  # the blocks before the next token's window are gone
             held -= max(0, num_tokens - g.sliding_window + 1) // block_size
         blocks += held
-    return blocks * block_size * layout.num_slots * per_layer + shape.state_bytes_per_seq
+    return blocks * block_size * page + shape.state_bytes_per_seq
 
 
 def layout_summary(shape: ModelShape) -> str:
-    windows = shape.layer_windows or (None,) * (shape.num_layers - shape.state_layers)
     kinds: dict[int | None, int] = {}
-    for w in windows:
-        kinds[w] = kinds.get(w, 0) + 1
+    for s in shape.kv_specs():
+        kinds[s.sliding_window] = kinds.get(s.sliding_window, 0) + 1
     summary = ", ".join(f"{n} {'full' if w is None else f'window {w}'}" for w, n in kinds.items())
-    return summary + (f", {shape.state_layers} linear attention" if shape.state_layers else "")
+    summary += f", {shape.state_layers} linear attention" if shape.state_layers else ""
+    return summary + (f", {shape.shared_kv_layers} reading an earlier layer's KV" if shape.shared_kv_layers else "")
 
 
 @dataclass

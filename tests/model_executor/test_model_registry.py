@@ -299,7 +299,7 @@ def test_gemma4_configs_as_released_and_what_they_give() -> None:
                                                    "rope_theta": 1e6}})
     cfg = Gemma4ForCausalLM.config_from_hf(raw)
     assert cfg.layer_shapes == ((16, 2), (16, 2), (64, 1)) * 2
-    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 3, 3, 2]  # the last sliding / global before them
+    assert cfg.kv_sources == (0, 1, 2, 3, 3, 2)  # the last sliding / global layer before the shared ones
     model = Gemma4ForCausalLM(cfg)
     assert [s is None for s in model.kv_specs()] == [False] * 4 + [True] * 2
     inv = model.rope_inv_freq("full_attention")  # 64-dim heads: 8 of 32 pairs rotate, the rest stay put

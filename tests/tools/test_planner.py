@@ -139,3 +139,19 @@ def test_linear_attention_layers_count_their_state_not_kv():
     assert kv_bytes_per_token(shape, "bfloat16") == 2 * 8 * 4 * 256 * 2
     assert kv_bytes_per_sequence(shape, "bfloat16", 1000, 16) == 63 * 16 * 8 * 4096 + state
     assert plan(shape, "80GB", "bfloat16").layers == "8 full, 24 linear attention"
+
+
+def test_gemma4_layers_of_their_own_shapes_and_shared_kv():
+    """Gemma 4: global layers of their own head size and KV heads; the last layers read earlier layers' K/V and
+    keep none. Layers of two shapes share one group of full tables, as the engine lays them out."""
+    cfg = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+           "attention_k_eq_v": True, "num_kv_shared_layers": 2, "sliding_window": 24, "intermediate_size": 128,
+           "vocab_size": 320, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2}
+    shape = shape_from_hf_config(cfg, "gemma4")
+    assert shape.layer_kv == ((2, 16), (2, 16), (1, 32), (2, 16)) and shape.shared_kv_layers == 2
+    assert shape.layer_windows == (24, 24, None, 24)
+    per_token = 3 * 2 * 16 * 2 * 2 + 1 * 32 * 2 * 2  # three sliding layers and one global, bf16 K and V
+    assert kv_bytes_per_token(shape, "bfloat16") == per_token
+    assert kv_bytes_per_sequence(shape, "bfloat16", 100, 16) == 7 * 16 * per_token
+    assert plan(shape, "1GB", "bfloat16").layers == "3 window 24, 1 full, 2 reading an earlier layer's KV"

@@ -3,7 +3,10 @@ is first written as one)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ...errors import ModelLoadError
 
 
 def architecture_of(cfg: dict) -> str:
@@ -17,6 +20,32 @@ def text_config_of(raw: dict) -> dict:
         if key in raw and key not in raw["text_config"]:
             text[key] = raw[key]
     return text
+
+
+def per_layer_attention(raw: dict, types: Sequence[str]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Each layer's (head_dim, KV heads) and the layer whose K/V it attends over, for configs whose layers differ
+    (Gemma 4): global layers of their own shape (`per_layer_config`, or the released configs' `global_head_dim`
+    and `num_global_key_value_heads`), and the last `num_kv_shared_layers` layers reading the K/V of the last
+    earlier layer of their kind (types: each layer's, "sliding_attention" / "full_attention") rather than keeping
+    their own."""
+    n, heads = raw["num_hidden_layers"], raw["num_attention_heads"]
+    own = (raw.get("head_dim") or raw["hidden_size"] // heads, raw.get("num_key_value_heads") or heads)
+    overrides = {int(k): v for k, v in (raw.get("per_layer_config") or {}).items()}
+    if not overrides and "global_head_dim" in raw:
+        glob = {"head_dim": raw["global_head_dim"]}
+        if raw.get("attention_k_eq_v", True) and raw.get("num_global_key_value_heads") is not None:
+            glob["num_key_value_heads"] = raw["num_global_key_value_heads"]
+        overrides = {i: glob for i in range(n) if types[i] == "full_attention"}
+    shapes = tuple((overrides.get(i, {}).get("head_dim", own[0]), overrides.get(i, {}).get("num_key_value_heads", own[1]))
+                   for i in range(n))
+    first_shared = n - (raw.get("num_kv_shared_layers") or 0)
+    sources = []
+    for i in range(n):
+        src = i if i < first_shared else next((j for j in range(first_shared - 1, -1, -1) if types[j] == types[i]), None)
+        if src is None:
+            raise ModelLoadError(f"layer {i} shares the K/V of an earlier {types[i]} layer; there is none")
+        sources.append(src)
+    return shapes, tuple(sources)
 
 
 @dataclass

@@ -35,7 +35,7 @@ from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
-from .config import ModelConfig, text_config_of
+from .config import ModelConfig, per_layer_attention, text_config_of
 from .gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM
 from .llama import RMSNorm
 from .weight_names import Linear, Param, Part
@@ -46,22 +46,11 @@ _GEMMA3 = Gemma3ForCausalLM.WEIGHTS
 @dataclasses.dataclass
 class Gemma4Config(ModelConfig):
     layer_shapes: tuple[tuple[int, int], ...] = ()  # per layer: (head_dim, num_kv_heads)
+    kv_sources: tuple[int, ...] = ()  # per layer: the layer whose K/V it attends over (itself, or a shared one's)
     attention_k_eq_v: bool = False
-    num_kv_shared_layers: int = 0
     per_layer_input_size: int = 0  # hidden_size_per_layer_input; 0: no per-layer inputs
     per_layer_vocab_size: int = 0
     double_wide_mlp: bool = False
-
-    def kv_source(self, i: int) -> int:
-        """The layer whose K/V layer i attends over: itself, or for a KV-shared layer the last layer of its kind
-        before the shared ones."""
-        first_shared = self.num_layers - self.num_kv_shared_layers
-        if i < first_shared:
-            return i
-        for j in range(first_shared - 1, -1, -1):
-            if self.layer_types[j] == self.layer_types[i]:
-                return j
-        raise ModelLoadError(f"layer {i} shares the K/V of an earlier {self.layer_types[i]} layer; there is none")
 
 
 def _v_norm(v: torch.Tensor, eps: float) -> None:
@@ -106,7 +95,7 @@ class Gemma4MoE(FusedMoE):
 class Gemma4DecoderLayer(Gemma3DecoderLayer):
     def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
         head_dim, kv_heads = cfg.layer_shapes[index]
-        self.shares_kv = cfg.kv_source(index) != index
+        self.shares_kv = cfg.kv_sources[index] != index
         wide = 2 if cfg.double_wide_mlp and self.shares_kv else 1
         own = dataclasses.replace(cfg, head_dim=head_dim, num_kv_heads=kv_heads,
                                   intermediate_size=cfg.intermediate_size * wide, num_experts=0)
@@ -223,15 +212,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         if raw.get("use_bidirectional_attention") == "all":
             raise ModelLoadError("Gemma 4 with bidirectional attention is not supported (decoding is causal)")
         base = Gemma3ForCausalLM.config_from_hf(raw)
-        n, types = base.num_layers, base.layer_types
-        overrides = {int(k): v for k, v in (raw.get("per_layer_config") or {}).items()}
-        if not overrides:  # the released configs: the global layers' shape in two fields
-            glob = {"head_dim": raw.get("global_head_dim", 512)}
-            if raw.get("attention_k_eq_v", True) and raw.get("num_global_key_value_heads") is not None:
-                glob["num_key_value_heads"] = raw["num_global_key_value_heads"]
-            overrides = {i: glob for i in range(n) if types[i] == FULL}
-        shapes = tuple((overrides.get(i, {}).get("head_dim", base.head_dim),
-                        overrides.get(i, {}).get("num_key_value_heads", base.num_kv_heads)) for i in range(n))
+        shapes, sources = per_layer_attention(raw, base.layer_types)
         params = raw.get("rope_parameters") or {}
         rope = {kind: dict(p) for kind, p in params.items() if p and kind in (SLIDING, FULL)}
         for kind, p in rope.items():
@@ -245,8 +226,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         return Gemma4Config(
             **fields,
             layer_shapes=shapes,
+            kv_sources=sources,
             attention_k_eq_v=bool(raw.get("attention_k_eq_v", False)),
-            num_kv_shared_layers=raw.get("num_kv_shared_layers") or 0,
             per_layer_input_size=raw.get("hidden_size_per_layer_input") or 0,
             per_layer_vocab_size=raw.get("vocab_size_per_layer_input") or raw["vocab_size"],
             double_wide_mlp=bool(raw.get("use_double_wide_mlp", False)),
@@ -266,7 +247,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
 
     def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset()) -> None:
         super().__init__(cfg, biases)
-        self.kv_sources = [cfg.kv_source(i) for i in range(cfg.num_layers)]
+        self.kv_sources = cfg.kv_sources
         p = cfg.per_layer_input_size
         if p:
             self.embed_tokens_per_layer = VocabEmbedding(cfg.per_layer_vocab_size, cfg.num_layers * p)
