@@ -85,18 +85,19 @@ class Tokenizer:
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         if kind == "gpt2":
             tok = _byte_level_bpe(meta)
-        elif kind == "llama":
+        elif kind in ("llama", "gemma4"):
             tok = _sentencepiece(meta, architecture)
         else:
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece "
-                             "'llama')")
+                             "'llama', Gemma 4's 'gemma4')")
 
         def name(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
-        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise
-        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise; Gemma 4's chat template
+        # writes its own, and its reference tokenizer adds none (llama.cpp forces one on; transformers does not)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and kind != "gemma4"
         return cls(tok, name("bos_token_id"), name("eos_token_id"), meta.get("tokenizer.chat_template"),
                    add_bos=bool(add_bos))
 
@@ -220,15 +221,22 @@ def _pre_tokenizer_splits() -> dict[str, str]:
 
 def _sentencepiece(meta: dict, architecture: str | None) -> HFTokenizer:
     """A GGUF's SentencePiece vocabulary (tokens, scores, types; merges derived from the scores where the file
-    has none), with its architecture's quirks (Gemma's spelling of space runs, Phi-3's prefix space): built as
-    transformers' GGUF loader builds it, the reference llama.cpp's files are read against."""
+    has none), with its architecture's quirks (Gemma's spelling of space runs, Phi-3's prefix space), or Gemma 4's
+    ('gemma4': ▁ for spaces, the file's merges, no split but newlines): built as transformers' GGUF loader builds
+    it, the reference llama.cpp's files are read against."""
     try:
         from transformers.integrations.gguf import gguf_tokenizer_mapping as m
     except ImportError as e:
         raise ValueError(f"SentencePiece GGUF vocabularies need transformers' GGUF support ({e})") from e
-    d = {"tokenizer_type": "llama", "tokens": meta["tokenizer.ggml.tokens"], "scores": meta.get("tokenizer.ggml.scores"),
+    kind = meta.get("tokenizer.ggml.model")
+    d = {"tokenizer_type": kind, "tokens": meta["tokenizer.ggml.tokens"], "scores": meta.get("tokenizer.ggml.scores"),
          "token_type": meta.get("tokenizer.ggml.token_type")}
     if meta.get("tokenizer.ggml.merges"):
         d["merges"] = meta["tokenizer.ggml.merges"]
+    if kind == "gemma4":
+        build = getattr(m, "GGUF_TOKENIZER_TYPES", {}).get(kind)
+        if build is None or "merges" not in d:
+            raise ValueError("a 'gemma4' GGUF vocabulary needs its merges and transformers 5's builder for it")
+        return m.add_gguf_special_tokens(build(d), d).backend_tokenizer
     build = m.GGUF_SENTENCEPIECE_BUILDERS.get(architecture, m.sentencepiece_tokenizer)
     return m.add_gguf_special_tokens(build(d), d).backend_tokenizer

@@ -136,12 +136,13 @@ def write_gguf_from_hf(hf_model, path, arch: str, names, extra=None) -> None:
 
 
 def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None, norm_shift: float = 0.0,
-                           expert_quant: str | None = None, vocab: bool = False) -> None:
+                           expert_quant: str | None = None, vocab: bool = False, meta=None) -> None:
     """The checkpoint of an HF folder (per-expert matrices, as the model's `hf_tensors` names them) as a GGUF of
     `names`' GGUF names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer.
     quant: a ggml type name for every linear's matrix (norms, biases, the embedding and routers stay F32);
     expert_quant: the experts' type, if another. vocab: a placeholder byte-level BPE vocabulary of the model's size
-    (tokens "t0" ..., one merge), for an engine that will not load a file without one (llama.cpp)."""
+    (tokens "t0" ..., one merge), for an engine that will not load a file without one (llama.cpp). meta(writer,
+    config): the architecture's own keys and tensors, written over the shared ones."""
     import json
     from pathlib import Path
 
@@ -181,10 +182,17 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     experts = c.get("num_experts") or c.get("num_local_experts") or 0
     if experts:
         w.add_expert_count(experts)
-        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_used_count(c.get("num_experts_per_tok") or c["top_k_experts"])
         w.add_expert_feed_forward_length(c.get("moe_intermediate_size") or c["intermediate_size"])
 
+    if meta is not None:
+        meta(w, c)
+    written: set[str] = set()
+
     def put(name: str, t: np.ndarray, matrix: bool, qtype: str | None = quant) -> None:
+        if name in written:  # one checkpoint tensor in two of the model's linears (Gemma 4's q in q/k/v and q/k)
+            return
+        written.add(name)
         if qtype is None or not matrix:
             w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
             return
@@ -195,6 +203,9 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     put(names.norm.gguf + ".weight", sd[names.norm.hf + ".weight"] + norm_shift, False)
     if names.lm_head.parts[0].hf + ".weight" in sd:
         put(names.lm_head.parts[0].gguf + ".weight", sd[names.lm_head.parts[0].hf + ".weight"], True)
+    for p in names.extras:
+        if p.hf + ".weight" in sd:
+            put(p.gguf_tensor, sd[p.hf + ".weight"], False)
     for i in range(c["num_hidden_layers"]):
         src, dst = names.hf_layer.format(i), names.gguf_layer.format(i)
         for lin in names.linears:
@@ -208,7 +219,8 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
                 if src + p.hf + ".bias" in sd:
                     put(dst + p.gguf + ".bias", sd[src + p.hf + ".bias"], False)
         for n in names.norms:  # norm_shift: llama.cpp's Gemma converter stores 1 + w
-            put(dst + n.gguf + ".weight", sd[src + n.hf + ".weight"] + norm_shift, False)
+            if src + n.hf + ".weight" in sd:  # a layer of one kind skips the other kind's
+                put(dst + n.gguf_tensor, sd[src + n.hf + ".weight"] + norm_shift, False)
         for lin in names.experts:
             for p in lin.parts:
                 for kind, matrix in ((".weight", True), (".bias", False)):

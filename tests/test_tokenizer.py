@@ -123,6 +123,28 @@ def test_a_sentencepiece_gguf_vocabulary_tokenizes_as_transformers_reads_it(tmp_
         assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 
+def test_a_gemma4_gguf_vocabulary_tokenizes_as_transformers_reads_it(tmp_path):
+    """tokenizer.ggml.model 'gemma4': spaces spelled ▁ with no prefix space, the file's own merges, bytes outside
+    the vocabulary through <0xXX> tokens, no BOS added (Gemma 4's chat template writes it)."""
+    from transformers import AutoTokenizer
+
+    pieces = ["▁", "t", "h", "e", "c", "a", "he", "the", "at", "▁c", "▁cat", "\n"]
+    merges = ["h e", "t he", "a t", "▁ c", "▁c at"]
+    tokens = ["<pad>", "<bos>", "<eos>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    meta = _write_vocab_gguf(tmp_path / "gemma4.gguf", "gemma4", "gemma4", tokens, [3, 3, 3] + [6] * 256 + [1] * len(pieces),
+                             scores=[0.0] * len(tokens), merges=merges)
+    ours = Tokenizer.from_gguf_metadata(meta, "gemma4")
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="gemma4.gguf")
+    the, cat, space = (tokens.index(t) for t in ("the", "▁cat", "▁"))
+    assert ours.encode("the cat") == [the, cat]  # no BOS, no prefix ▁ before "the"
+    assert ours.encode(" the") == [space, the]
+    assert ours.encode("é")[0] == 3 + 0xC3  # a byte the vocabulary lacks: its <0xXX> token
+    for text in ["the cat", " the  cat\nthe", "hé ☃ x"]:
+        ids = ours.encode(text)
+        assert ids == hf.encode(text), text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True) == text
+
+
 def test_a_byte_level_gguf_vocabulary_splits_as_its_pre_tokenizer_names():
     """`tokenizer.ggml.pre` 'llama-bpe' (Llama 3): digits split in threes before the merges, as transformers reads
     the file; GPT-2's split (no `pre`) keeps the run whole."""

@@ -31,7 +31,7 @@ def gguf_to_hf_folder(path: Path) -> Path:
     log.info("writing %s as an fp32 HF folder for HF-only peers: %s", path, out)
     f = GGUFTensors(path)  # the engine's own reader: dense fp32 in HF's shape, q/k rows unpermuted
     meta = f.meta
-    cfg = gguf_hf_config(meta, set(f.by_name))
+    cfg = gguf_hf_config(meta, f.shapes())
     weights = model_class(cfg, None).WEIGHTS
     names = weights.hf_names(meta["general.architecture"])
     layer_re = re.compile(re.escape(weights.gguf_layer).replace(re.escape("{}"), r"(\d+)"))

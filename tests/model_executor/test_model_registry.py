@@ -4,6 +4,7 @@ what HF transformers generates from the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -355,6 +356,66 @@ def test_gpt_oss_from_a_gguf_generates_what_hf_does_and_runs_mxfp4_experts_as_st
     ids = [(i * 37 + i * i * 11) % hf.config.vocab_size for i in range(200)]
     r = compare_to_reference(ref.engine, native.engine, ids, chunk=50)
     assert r["mean_kl"] < 0.015 and r["top1_agreement"] > 0.93, r  # int8 activations (and the routing they flip)
+
+
+def gemma4_gguf_keys(w, c: dict) -> None:
+    """A `gemma4` file's own keys and rope tensor, as llama.cpp's converter writes them (checked against its output
+    for these configs): per-layer KV heads and MLP widths as arrays, the global head size as `key_length` and the
+    sliding one as `key_length_swa`, the global layers' proportional rope as `rope_freqs` factors of 1 and 1e30."""
+    import numpy as np
+
+    n, types = c["num_hidden_layers"], c["layer_types"]
+    shared = c.get("num_kv_shared_layers") or 0
+    full = {int(k): v for k, v in (c.get("per_layer_config") or {}).items()}
+    d_full = next(v["head_dim"] for v in full.values() if "head_dim" in v)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_key_length(d_full)
+    w.add_key_length_swa(c["head_dim"])
+    w.add_head_count_kv([full.get(i, {}).get("num_key_value_heads", c["num_key_value_heads"]) for i in range(n)])
+    ff = c["intermediate_size"]
+    if c.get("use_double_wide_mlp"):
+        w.add_feed_forward_length([ff * 2 if i >= n - shared else ff for i in range(n)])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(c.get("hidden_size_per_layer_input") or 0)
+    rope = c["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(d_full)
+    w.add_rope_dimension_count_swa(c["head_dim"])
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    pairs = d_full // 2
+    rotated = int(pairs * rope["full_attention"]["partial_rotary_factor"])
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe"])
+def test_gemma4_from_a_gguf_as_llama_cpp_stores_it_generates_what_hf_does(tiny_models, tmp_path, arch) -> None:
+    """`gemma4`: sliding and global layers of their own head sizes and KV heads, v = k where a global layer has no
+    `attn_v`, the KV-shared layers' q alone and their twice-wide MLPs, per-layer inputs, the router's scales under
+    llama.cpp's `.scale` names, the experts' gate and up in one 3-D tensor: HF's greedy tokens past the window, and
+    the planner reads the same KV layout from the file."""
+    from pagedllm.model_executor.models.gemma4 import Gemma4ForCausalLM
+    from pagedllm.tools.planner import load_shape
+
+    folder, hf = tiny_models[arch]
+    path = tmp_path / "gemma4.gguf"
+    write_gguf_from_folder(folder, path, "gemma4", Gemma4ForCausalLM.WEIGHTS, meta=gemma4_gguf_keys)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    ref = LLM(model=folder, dtype="float32", num_kv_blocks=64).engine.runner.model
+    model = llm.engine.runner.model
+    assert type(model) is Gemma4ForCausalLM
+    assert model.kv_specs() == ref.kv_specs()
+    # the same config but for what a file without a vocabulary lacks and the top-level rope base no layer reads
+    unread = {"rope_theta": ref.cfg.rope_theta, "bos_token_id": ref.cfg.bos_token_id, "eos_token_id": ref.cfg.eos_token_id}
+    assert dataclasses.replace(model.cfg, **unread) == ref.cfg
+    assert load_shape(str(path)).kv_specs() == [s for s in ref.kv_specs() if s is not None]
+    prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 20 * i)] for i in range(3)]  # past the window
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
 
 
 def test_gpt_oss_mxfp4_experts_from_an_hf_folder_run_as_stored(tiny_models, tmp_path) -> None:

@@ -25,6 +25,7 @@ from ...tokenizer import Tokenizer
 from ..layers.formats import FORMATS, WeightFormat, format_of_ggml
 from ..layers.weight_formats import block_bytes_of
 from ..layers.weight_methods import WeightMethods
+from ..models.config import GGUFInfo
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Part, has_module
 from .base import (
@@ -76,10 +77,17 @@ def _decimal(stored: float) -> float:
     return float(str(np.float32(stored)))
 
 
-def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry | None = None,
+def _first(value):
+    """A key some architectures store per layer (KV heads, MLP width): the first layer's, for the shared fields
+    (the model's `hf_config_from_gguf` reads the rest)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def gguf_hf_config(meta: dict, shapes: dict[str, tuple[int, ...]], registry: ModelRegistry | None = None,
                    read: Callable[[str], torch.Tensor] | None = None) -> dict:
-    """The HF config.json a GGUF's metadata describes. read: a small tensor's values by name (LongRoPE's rope
-    factors are tensors in a GGUF, not metadata)."""
+    """The HF config.json a GGUF's metadata describes. shapes: each tensor's, in ggml's order; read: a small
+    tensor's values by name (LongRoPE's rope factors are tensors in a GGUF, not metadata)."""
+    tensor_names = set(shapes)
     arch = meta.get("general.architecture")
     reg = registry or default_registry()
     experts = int(meta.get(f"{arch}.expert_count") or 0)
@@ -96,8 +104,8 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
         "model_type": arch,
         "architectures": [hf_arch],
         "vocab_size": int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0)), "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
-        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "intermediate_size": int(_first(g("feed_forward_length"))), "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": int(_first(g("attention.head_count_kv", heads))),
         "head_dim": int(g("attention.key_length", hidden // heads)),
         "rms_norm_eps": _decimal(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
@@ -136,7 +144,8 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], registry: ModelRegistry |
                     ("attn_logit_softcapping", "attn_logit_softcapping")):
         if g(key) is not None:
             cfg[hf] = _decimal(g(key)) if "softcapping" in key else int(g(key))
-    return reg.model_class(hf_arch).hf_config_from_gguf(cfg)
+    info = GGUFInfo(arch, meta, shapes, None if read is None else (lambda name: read(name).tolist()))
+    return reg.model_class(hf_arch).hf_config_from_gguf(cfg, info)
 
 
 class GGUFTensors:
@@ -157,6 +166,10 @@ class GGUFTensors:
                                      f"at offset {int(t.data_offset)}, the file holds {t.data.nbytes} of them "
                                      f"({int(t.n_bytes) - t.data.nbytes} missing)")
         self.meta = read_gguf_metadata(self.reader)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape, in ggml's order (innermost first)."""
+        return {name: tuple(int(x) for x in t.shape) for name, t in self.by_name.items()}
 
     def fmt(self, name: str) -> WeightFormat | None:
         return format_of_ggml(self.by_name[name].tensor_type)
@@ -234,7 +247,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     reference), a format name requantizes the dense weights into it."""
     f = GGUFTensors(path)
     names = set(f.by_name)
-    raw = gguf_hf_config(f.meta, names, registry, f.dense)
+    raw = gguf_hf_config(f.meta, f.shapes(), registry, f.dense)
     cls = model_class(raw, registry)
     wn = cls.WEIGHTS
     cfg = cls.fit_context(cls.config_from_hf(raw), context)
@@ -329,7 +342,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
     param(getattr(model, wn.norm.attr), wn.norm.gguf + ".weight")
     for extra in wn.extras:
         if has_module(model, extra.attr):
-            param(model.get_submodule(extra.attr), extra.gguf + ".weight")
+            param(model.get_submodule(extra.attr), extra.gguf_tensor)
     from tqdm import tqdm
 
     # a bar only for loads that take a while (a 7-8B file), on a terminal
@@ -340,7 +353,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
             linear(layer.get_submodule(spec.attr), spec, prefix, expert)
         for n in wn.norms:
             if hasattr(layer, n.attr) or has_module(layer, n.attr):  # a layer of one kind skips the other kind's
-                set_param(layer, n, f.dense(f"{prefix}{n.gguf}.weight"), tp)
+                set_param(layer, n, f.dense(prefix + n.gguf_tensor), tp)
     for kind, n in dequantized.items():
         log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
                     str(tdtype).removeprefix("torch."))
@@ -357,7 +370,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
 
 def gguf_config(path: Path, registry: ModelRegistry | None = None) -> dict:
     f = GGUFTensors(path)
-    return gguf_hf_config(f.meta, set(f.by_name), registry, f.dense)
+    return gguf_hf_config(f.meta, f.shapes(), registry, f.dense)
 
 
 __all__ = ["GGUFTensors", "gguf_cache_key", "gguf_config", "gguf_hf_config", "load_gguf",

@@ -3,8 +3,9 @@ is first written as one)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import ModelLoadError
 
@@ -46,6 +47,63 @@ def per_layer_attention(raw: dict, types: Sequence[str]) -> tuple[tuple[tuple[in
             raise ModelLoadError(f"layer {i} shares the K/V of an earlier {types[i]} layer; there is none")
         sources.append(src)
     return shapes, tuple(sources)
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What a model's `hf_config_from_gguf` may read of a GGUF beyond the shared keys: its `{arch}.*` metadata,
+    its tensors' shapes (ggml's order: innermost first) and, in a loader, a small tensor's values."""
+
+    arch: str
+    meta: Mapping[str, Any]
+    shapes: Mapping[str, tuple[int, ...]]
+    read: Callable[[str], Sequence[float]] | None = None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+
+def _per_layer(value: Any, n: int) -> list[int]:
+    """A GGUF key stored as one number or one per layer."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ModelLoadError(f"a per-layer GGUF key has {len(value)} values for {n} layers")
+        return [int(v) for v in value]
+    return [int(value)] * n
+
+
+def gemma4_gguf_fields(gguf: GGUFInfo) -> dict:
+    """The Gemma 4 fields of an HF config, as llama.cpp's converter writes them into a `gemma4` GGUF: which layers
+    slide (`sliding_window_pattern`), the global layers' head size (`key_length`; `key_length_swa` the sliding
+    ones'), KV heads and MLP widths per layer (arrays), the KV-shared tail, the per-layer inputs' width; v = k on
+    the global layers is a file without their `attn_v`."""
+    n = int(gguf.get("block_count"))
+    pattern = gguf.get("attention.sliding_window_pattern")
+    if pattern is None:
+        raise ModelLoadError("a gemma4 GGUF without gemma4.attention.sliding_window_pattern")
+    types = ["sliding_attention" if s else "full_attention" for s in _per_layer(pattern, n)]
+    kv = _per_layer(gguf.get("attention.head_count_kv", gguf.get("attention.head_count")), n)
+    ff = _per_layer(gguf.get("feed_forward_length"), n)
+    d_full = int(gguf.get("attention.key_length"))
+    d_swa = int(gguf.get("attention.key_length_swa", d_full))
+    shared = int(gguf.get("attention.shared_kv_layers", 0))
+    first_shared = n - shared
+    base = next(i for i, t in enumerate(types) if t == "sliding_attention") if "sliding_attention" in types else 0
+    own = (d_swa if types[base] == "sliding_attention" else d_full, kv[base])
+    per_layer = {str(i): {"head_dim": d, "num_key_value_heads": kv[i]}
+                 for i, d in ((i, d_swa if t == "sliding_attention" else d_full) for i, t in enumerate(types))
+                 if (d, kv[i]) != own}
+    wide = [ff[i] == 2 * ff[0] and i >= first_shared for i in range(n)]
+    if any(ff[i] != ff[0] and not wide[i] for i in range(n)) or (any(wide) and not all(wide[first_shared:])):
+        raise ModelLoadError(f"gemma4 MLP widths {ff}: only the KV-shared layers may be twice as wide")
+    k_eq_v = any(t == "full_attention" and i < first_shared and f"blk.{i}.attn_v.weight" not in gguf.shapes
+                 for i, t in enumerate(types))
+    table = gguf.shapes.get("per_layer_token_embd.weight")
+    return {"model_type": "gemma4_text", "layer_types": types, "head_dim": own[0], "num_key_value_heads": own[1],
+            "per_layer_config": per_layer, "num_kv_shared_layers": shared, "attention_k_eq_v": k_eq_v,
+            "intermediate_size": ff[0], "use_double_wide_mlp": any(wide),
+            "hidden_size_per_layer_input": int(gguf.get("embedding_length_per_layer_input", 0) or 0),
+            "vocab_size_per_layer_input": int(table[1]) if table else None}
 
 
 @dataclass

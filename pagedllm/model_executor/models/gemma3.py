@@ -18,7 +18,7 @@ from ...errors import ModelLoadError
 from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.rotary import rope_inv_freq
-from .config import ModelConfig, text_config_of
+from .config import GGUFInfo, ModelConfig, text_config_of
 from .llama import LlamaForCausalLM, RMSNorm, shift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .weight_names import Linear, Param, Part
@@ -85,7 +85,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return cfg
 
     @classmethod
-    def hf_config_from_gguf(cls, cfg: dict) -> dict:
+    def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
         """llama.cpp fixes these for `gemma3` in code: one global layer in six, a local rope base of 10000, and
         the attention scale of the 62-layer (27B) model from hidden / heads, of the others from head_dim."""
         wide = cfg["num_hidden_layers"] == 62

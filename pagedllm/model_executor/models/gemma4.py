@@ -35,7 +35,7 @@ from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
-from .config import ModelConfig, per_layer_attention, text_config_of
+from .config import GGUFInfo, ModelConfig, gemma4_gguf_fields, per_layer_attention, text_config_of
 from .gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM
 from .llama import RMSNorm
 from .weight_names import Linear, Param, Part
@@ -198,8 +198,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                Param("post_feedforward_layernorm_1", "post_feedforward_layernorm_1", "post_ffw_norm_1"),
                Param("pre_feedforward_layernorm_2", "pre_feedforward_layernorm_2", "pre_ffw_norm_2"),
                Param("post_feedforward_layernorm_2", "post_feedforward_layernorm_2", "post_ffw_norm_2"),
-               Param("mlp.router_norm", "router.scale", "ffn_gate_inp_scale"),
-               Param("mlp.expert_scale", "router.per_expert_scale", "ffn_down_exps_scale")),
+               Param("mlp.router_norm", "router.scale", "ffn_gate_inp.scale"),
+               Param("mlp.expert_scale", "router.per_expert_scale", "ffn_down_exps.scale")),
         experts=(Linear("mlp.experts.{e}.gate_up_proj", (Part("experts.{e}.gate_up_proj", "ffn_gate_up_exps"),)),
                  Linear("mlp.experts.{e}.down_proj", (Part("experts.{e}.down_proj", "ffn_down_exps"),), "row")),
         extras=(Param("embed_tokens_per_layer", "model.embed_tokens_per_layer", "per_layer_token_embd"),
@@ -220,6 +220,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                 raise ModelLoadError(f"Gemma 4 {kind} layers: rope type {p['rope_type']!r} is not supported")
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
         moe = bool(raw.get("enable_moe_block"))  # every layer: the dense MLP and the experts beside it
+        per_layer = raw.get("hidden_size_per_layer_input") or 0
         fields.update(rope_by_layer_type=rope, num_experts=raw["num_experts"] if moe else 0,
                       num_experts_per_tok=raw["top_k_experts"] if moe else 0,
                       moe_intermediate_size=raw["moe_intermediate_size"] if moe else 0, dense_layers=())
@@ -228,10 +229,35 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             layer_shapes=shapes,
             kv_sources=sources,
             attention_k_eq_v=bool(raw.get("attention_k_eq_v", False)),
-            per_layer_input_size=raw.get("hidden_size_per_layer_input") or 0,
-            per_layer_vocab_size=raw.get("vocab_size_per_layer_input") or raw["vocab_size"],
+            per_layer_input_size=per_layer,
+            per_layer_vocab_size=(raw.get("vocab_size_per_layer_input") or raw["vocab_size"]) if per_layer else 0,
             double_wide_mlp=bool(raw.get("use_double_wide_mlp", False)),
         )
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
+        """A `gemma4` GGUF: the per-layer keys (gemma4_gguf_fields) and the two ropes. llama.cpp's converter writes
+        the global layers' proportional rope as a full rotation whose unrotated pairs have a frequency factor of
+        1e30 (`rope_freqs`, [head_dim / 2]); the sliding layers rotate whole heads at `rope.freq_base_swa`."""
+        raw = {**cfg, **gemma4_gguf_fields(gguf)}
+        d_full = int(gguf.get("attention.key_length"))
+        if int(gguf.get("rope.dimension_count_swa", raw["head_dim"])) != raw["head_dim"]:
+            raise ModelLoadError("gemma4 GGUF: sliding layers that rotate part of each head are not supported")
+        partial = 1.0
+        if "rope_freqs.weight" in gguf.shapes and gguf.read is not None:
+            factors = gguf.read("rope_freqs.weight")
+            if len(factors) != d_full // 2 or any(f != 1.0 and f < 1e29 for f in factors):
+                raise ModelLoadError(f"gemma4 GGUF: rope_freqs of {len(factors)} values other than 1 and 1e30 "
+                                     "(only a proportional rope's rotated and unrotated pairs are supported)")
+            partial = sum(f == 1.0 for f in factors) / (d_full // 2)
+        raw["rope_parameters"] = {
+            FULL: {"rope_type": "proportional", "rope_theta": cfg["rope_theta"], "partial_rotary_factor": partial},
+            SLIDING: {"rope_type": "default", "rope_theta": float(gguf.get("rope.freq_base_swa", 10000.0))}}
+        if cfg.get("num_experts"):
+            raw.update(enable_moe_block=True, top_k_experts=cfg["num_experts_per_tok"])
+            if cfg.get("mlp_only_layers"):
+                raise ModelLoadError("gemma4 GGUF: experts in some layers only (every layer has them in Gemma 4)")
+        return raw
 
     @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: Gemma4Config) -> None:

@@ -17,7 +17,7 @@ from ..layers.backends import ClampedSwiGLU
 from ..layers.formats import FORMATS
 from ..layers.fused_moe import FusedMoE
 from ..layers.weight_formats import BlockRows
-from .config import ModelConfig
+from .config import GGUFInfo, ModelConfig
 from .llama import DecoderLayer, LlamaForCausalLM
 from .weight_names import Linear, Param, Part
 
@@ -61,7 +61,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return cfg
 
     @classmethod
-    def hf_config_from_gguf(cls, cfg: dict) -> dict:
+    def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
         """llama.cpp fixes these for `gpt-oss` in code: every other layer (from the first) attends over the
         sliding window, and the experts' activation constants."""
         n = cfg["num_hidden_layers"]

@@ -22,7 +22,7 @@ from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
 from ..layers.rotary import rope_attention_scale, rope_inv_freq
 from ..layers.weight_formats import GGMLWeight, PackedWeight
-from .config import ModelConfig
+from .config import GGUFInfo, ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames, has_module
 
 
@@ -136,9 +136,9 @@ class LlamaForCausalLM(nn.Module):
         stack tensors otherwise (gpt-oss: all experts in one) renames or slices them here, as views."""
 
     @classmethod
-    def hf_config_from_gguf(cls, cfg: dict) -> dict:
+    def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
         """The HF config a GGUF's metadata gave (the keys every family shares), with what llama.cpp fixes for
-        this family in code rather than metadata."""
+        this family in code rather than metadata, or what its own keys and tensors say (gguf)."""
         return cfg
 
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:

@@ -18,7 +18,8 @@ from ...errors import ModelLoadError
 class ModelEntry:
     target: str | type  # "module:Class" relative to this package, or the class itself
     gguf: str | None = None  # the GGUF `general.architecture` this architecture is stored under
-    gguf_experts: bool = False  # the GGUF names it only with `{arch}.expert_count` set (Mixtral is `llama` so)
+    # the GGUF names it only with `{arch}.expert_count` set (Mixtral is `llama` so); None: with it or without
+    gguf_experts: bool | None = False
 
     def load(self) -> type:
         if isinstance(self.target, type):
@@ -35,7 +36,7 @@ _BUILTIN: dict[str, ModelEntry] = {
     "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3"),
     "Gemma3ForCausalLM": ModelEntry("gemma3:Gemma3ForCausalLM", gguf="gemma3"),
     "Gemma3ForConditionalGeneration": ModelEntry("gemma3:Gemma3TextTower"),
-    "Gemma4ForCausalLM": ModelEntry("gemma4:Gemma4ForCausalLM"),
+    "Gemma4ForCausalLM": ModelEntry("gemma4:Gemma4ForCausalLM", gguf="gemma4", gguf_experts=None),
     "Gemma4ForConditionalGeneration": ModelEntry("gemma4:Gemma4TextTower"),
     "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True),
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
@@ -53,7 +54,7 @@ class ModelRegistry:
         self._entries = dict(_BUILTIN if entries is None else entries)
 
     def register(self, architecture: str, target: str | type, gguf: str | None = None,
-                 gguf_experts: bool = False) -> ModelRegistry:
+                 gguf_experts: bool | None = False) -> ModelRegistry:
         """Add (or replace) an architecture; returns self for chaining."""
         self._entries[architecture] = ModelEntry(target, gguf, gguf_experts)
         return self
@@ -72,7 +73,7 @@ class ModelRegistry:
         """The HF architecture name a GGUF's `general.architecture` stands for (experts: the file sets
         `{arch}.expert_count`)."""
         for name, entry in self._entries.items():
-            if entry.gguf is not None and entry.gguf == gguf_arch and entry.gguf_experts == experts:
+            if entry.gguf is not None and entry.gguf == gguf_arch and entry.gguf_experts in (experts, None):
                 return name
         known = sorted(e.gguf for e in self._entries.values() if e.gguf)
         raise ModelLoadError(f"GGUF architecture {gguf_arch!r} is not supported ({', '.join(known)})")

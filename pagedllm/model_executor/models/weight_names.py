@@ -60,6 +60,12 @@ class Param:
     gguf: str
     heads: bool = False  # one value per query head: each rank keeps its heads' under tensor parallelism
 
+    @property
+    def gguf_tensor(self) -> str:
+        """The GGUF tensor's name within its layer: `.weight` added unless the name carries its own suffix
+        (Gemma 4's router scales: `ffn_gate_inp.scale`)."""
+        return self.gguf if "." in self.gguf else self.gguf + ".weight"
+
 
 @dataclass(frozen=True)
 class WeightNames:
