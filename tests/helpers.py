@@ -136,13 +136,14 @@ def write_gguf_from_hf(hf_model, path, arch: str, names, extra=None) -> None:
 
 
 def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = None, norm_shift: float = 0.0,
-                           expert_quant: str | None = None, vocab: bool = False, meta=None) -> None:
+                           expert_quant: str | None = None, vocab: bool = False, meta=None, transform=None) -> None:
     """The checkpoint of an HF folder (per-expert matrices, as the model's `hf_tensors` names them) as a GGUF of
     `names`' GGUF names: experts stacked into 3-D tensors, the config as `{arch}.*` metadata, no tokenizer.
     quant: a ggml type name for every linear's matrix (norms, biases, the embedding and routers stay F32);
     expert_quant: the experts' type, if another. vocab: a placeholder byte-level BPE vocabulary of the model's size
     (tokens "t0" ..., one merge), for an engine that will not load a file without one (llama.cpp). meta(writer,
-    config): the architecture's own keys and tensors, written over the shared ones."""
+    config): the architecture's own keys and tensors, written over the shared ones. transform(tensors, config): the
+    values llama.cpp's converter writes in place of HF's (numpy arrays by HF name, changed in place)."""
     import json
     from pathlib import Path
 
@@ -160,6 +161,8 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     tensors = load_file(str(folder / "model.safetensors"))
     cls.hf_tensors(tensors, cls.config_from_hf(c))
     sd = {k: t.contiguous().numpy() for k, t in tensors.items()}
+    if transform is not None:
+        transform(sd, c)
     w = GGUFWriter(str(path), arch)
     _write_config(w, c)
     if vocab:

@@ -418,6 +418,96 @@ def test_gemma4_from_a_gguf_as_llama_cpp_stores_it_generates_what_hf_does(tiny_m
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
 
 
+def qwen35_gguf_keys(w, c: dict) -> None:
+    """A `qwen35` / `qwen35moe` file's own keys, as llama.cpp's converter writes them."""
+    n = c["num_hidden_layers"]
+    w.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(c["linear_key_head_dim"])
+    w.add_ssm_group_count(c["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(c["linear_num_value_heads"])
+    w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]][:n])
+    w.add_full_attention_interval(c.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]))
+    if c.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+
+
+def qwen35_converter_values(sd: dict, c: dict) -> None:
+    """What llama.cpp's converter stores in place of HF's Qwen3.5 tensors: -exp(A_log), the (1 + w) norms (not the
+    gated one), the conv kernels [C, K], and with fewer key heads than value heads every value-head axis reordered
+    from grouped by key head (HF) to tiled (v0 of each key head, then v1, ...)."""
+    import numpy as np
+
+    hk, hv, dk, dv = (c[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                     "linear_value_head_dim"))
+
+    def tiled(t: np.ndarray, axis: int, d: int) -> np.ndarray:
+        t = np.moveaxis(t, axis, 0)
+        shape = t.shape
+        t = t.reshape(hk, hv // hk, d, *shape[1:]).swapaxes(0, 1).reshape(shape)
+        return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+    for name in list(sd):
+        t = sd[name]
+        if name.endswith("A_log.weight"):
+            t = -np.exp(t)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        elif name.endswith("conv1d.weight"):
+            t = t.squeeze(1)
+        if "linear_attn." in name and hk != hv:
+            if name.endswith("in_proj_qkv.weight"):
+                t = np.concatenate([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
+            elif name.endswith("in_proj_z.weight"):
+                t = tiled(t, 0, dv)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log.weight", "dt_bias.weight")):
+                t = tiled(t, 0, 1)
+            elif name.endswith("conv1d.weight"):
+                t = np.concatenate([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
+            elif name.endswith("out_proj.weight"):
+                t = tiled(t, 1, dv)
+        sd[name] = t
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,gguf_arch", [("qwen3.5", "qwen35"), ("qwen3.5-moe-gguf", "qwen35moe")])
+def test_qwen35_from_a_gguf_as_llama_cpp_stores_it_generates_what_hf_does(tiny_models, tmp_path, arch,
+                                                                           gguf_arch) -> None:
+    """`qwen35` / `qwen35moe`: the Gated DeltaNet layers in llama.cpp's `ssm_*` tensors and keys, value heads in its
+    tiled order (two key heads for four value heads in the MoE model: the order matters), the decay rates as
+    -exp(A_log): HF's greedy tokens, and the planner reads the layers' kinds and state size from the file. The same
+    file read with HF's value-head order is not HF's model (the order is read, not assumed)."""
+    import torch
+
+    from pagedllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM
+    from pagedllm.tools.planner import load_shape
+
+    folder, hf = tiny_models[arch]
+    path = tmp_path / f"{gguf_arch}.gguf"
+    write_gguf_from_folder(folder, path, gguf_arch, Qwen3_5ForCausalLM.WEIGHTS, meta=qwen35_gguf_keys,
+                           transform=qwen35_converter_values)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    ref = LLM(model=folder, dtype="float32", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    assert type(model) is Qwen3_5ForCausalLM and model.kv_specs() == ref.engine.runner.model.kv_specs()
+    assert model.state_bytes_per_seq() == ref.engine.runner.model.state_bytes_per_seq()
+    shape = load_shape(str(path))
+    assert (shape.state_layers, shape.state_bytes_per_seq) == (3, model.state_bytes_per_seq())
+    prompts = [[(5 * i + 7 * j) % hf.config.vocab_size for j in range(4 + 20 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params)):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
+    if 1 < hf.config.linear_num_key_heads < hf.config.linear_num_value_heads:  # (one key head: both orders agree)
+        for layer in model.layers:
+            layer.tiled = False if hasattr(layer, "tiled") else None
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompts[2]])).logits[0, -1]
+        out = llm.generate({"prompt_token_ids": prompts[2]}, SamplingParams(max_tokens=1, logprobs=1, temperature=0))[0]
+        got = out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]].logprob
+        assert abs(got - float(torch.log_softmax(logits, -1).max())) > 1e-3
+
+
 def test_gpt_oss_mxfp4_experts_from_an_hf_folder_run_as_stored(tiny_models, tmp_path) -> None:
     """OpenAI's checkpoint layout: each layer's experts as MXFP4 `*_blocks` / `*_scales`. They load as ggml MXFP4
     blocks whose dequantization is HF's own (transformers' convert_moe_packed_tensors), bit for bit, and the model

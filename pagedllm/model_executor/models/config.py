@@ -106,6 +106,31 @@ def gemma4_gguf_fields(gguf: GGUFInfo) -> dict:
             "vocab_size_per_layer_input": int(table[1]) if table else None}
 
 
+def qwen35_gguf_fields(gguf: GGUFInfo) -> dict:
+    """The Qwen3.5 fields of an HF config from a `qwen35` / `qwen35moe` GGUF: the linear-attention layers
+    (`attention.recurrent_layers`, or one full layer every `full_attention_interval`), the Gated DeltaNet's shape in
+    llama.cpp's `ssm.*` keys (key heads = group_count, value heads = time_step_rank, key head size = state_size,
+    inner_size = all value heads' width), the shared expert's width. llama.cpp's converter orders the value heads
+    tiled (see ModelConfig.linear_value_heads_tiled)."""
+    n = int(gguf.get("block_count"))
+    recurrent = gguf.get("attention.recurrent_layers")
+    if recurrent is None:
+        every = int(gguf.get("full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(n)]
+    value_heads = int(gguf.get("ssm.time_step_rank"))
+    return {"model_type": "qwen3_5_text",
+            "layer_types": ["linear_attention" if r else "full_attention" for r in _per_layer(recurrent, n)],
+            "linear_num_key_heads": int(gguf.get("ssm.group_count")), "linear_num_value_heads": value_heads,
+            "linear_key_head_dim": int(gguf.get("ssm.state_size")),
+            "linear_value_head_dim": int(gguf.get("ssm.inner_size")) // value_heads,
+            "linear_conv_kernel_dim": int(gguf.get("ssm.conv_kernel", 4)), "linear_value_heads_tiled": True,
+            "shared_expert_intermediate_size": int(gguf.get("expert_shared_feed_forward_length", 0) or 0)}
+
+
+# the architectures whose GGUF keys need more than the shared ones to describe their layers (loader and planner)
+GGUF_FIELDS = {"gemma4": gemma4_gguf_fields, "qwen35": qwen35_gguf_fields, "qwen35moe": qwen35_gguf_fields}
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -145,6 +170,9 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    # the value heads ordered k-head-minor (v0 of every key head, then v1 ...: llama.cpp's files) rather than
+    # grouped by key head (HF's)
+    linear_value_heads_tiled: bool = False
     shared_expert_intermediate_size: int = 0  # a MoE layer's always-on expert, gated per token (Qwen3.5-MoE)
 
     def is_moe_layer(self, i: int) -> bool:

@@ -28,7 +28,7 @@ from ...core.kv_spec import KVSpec
 from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked, l2norm, recurrent_step
 from ..layers.linear import PackedLinear
 from ..layers.rotary import partial_rotary_order, rotary_dim
-from .config import ModelConfig, text_config_of
+from .config import GGUFInfo, ModelConfig, qwen35_gguf_fields, text_config_of
 from .llama import DecoderLayer, LlamaForCausalLM, shift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .qwen3_moe import MOE_EXPERTS, ROUTER
@@ -94,6 +94,7 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel = cfg.linear_conv_kernel_dim
+        self.tiled = cfg.linear_value_heads_tiled
         self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
         self.in_proj = PackedLinear(cfg.hidden_size, self.conv_dim + self.hv * self.dv + 2 * self.hv)
         self.out_proj = PackedLinear(self.hv * self.dv, cfg.hidden_size)
@@ -115,8 +116,12 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         kd = self.hk * self.dk
         q, k, v = mixed.split([kd, kd, self.hv * self.dv], dim=-1)
         r = self.hv // self.hk
-        q = l2norm(q.unflatten(-1, (self.hk, self.dk)).repeat_interleave(r, dim=-2)) * self.dk ** -0.5
-        k = l2norm(k.unflatten(-1, (self.hk, self.dk)).repeat_interleave(r, dim=-2))
+        q, k = q.unflatten(-1, (self.hk, self.dk)), k.unflatten(-1, (self.hk, self.dk))
+        if self.tiled:  # value head j reads key head j % Hk
+            q, k = torch.cat([q] * r, dim=-2), torch.cat([k] * r, dim=-2)
+        else:  # value head j reads key head j // r
+            q, k = q.repeat_interleave(r, dim=-2), k.repeat_interleave(r, dim=-2)
+        q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
         return q, k, v.unflatten(-1, (self.hv, self.dv))
 
     def mix(self, h: torch.Tensor, cache: StateCache, seqs: list[StateSeq], decode_rows: int) -> torch.Tensor:
@@ -183,10 +188,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                  Linear("in_proj", (Part("linear_attn.in_proj_qkv", "attn_qkv"), Part("linear_attn.in_proj_z", "attn_gate"),
                                     Part("linear_attn.in_proj_b", "ssm_beta"), Part("linear_attn.in_proj_a", "ssm_alpha"))),
                  Linear("out_proj", (Part("linear_attn.out_proj", "ssm_out"),), "row")),
-        norms=(*_LLAMA.norms, Param("q_norm", "self_attn.q_norm", "attn_q_norm"),
+        norms=(Param("input_layernorm", "input_layernorm", "attn_norm"),  # llama.cpp's name for the second norm:
+               Param("post_attention_layernorm", "post_attention_layernorm", "post_attention_norm"),
+               Param("q_norm", "self_attn.q_norm", "attn_q_norm"),
                Param("k_norm", "self_attn.k_norm", "attn_k_norm"),
-               Param("conv_weight", "linear_attn.conv1d", "ssm_conv1d"), Param("dt_bias", "linear_attn.dt_bias", "ssm_dt"),
-               Param("A_log", "linear_attn.A_log", "ssm_a"), Param("norm_weight", "linear_attn.norm", "ssm_norm")),
+               Param("conv_weight", "linear_attn.conv1d", "ssm_conv1d"),
+               Param("dt_bias", "linear_attn.dt_bias", "ssm_dt", gguf_suffix=".bias"),
+               Param("A_log", "linear_attn.A_log", "ssm_a", gguf_suffix=""),  # a GGUF holds -exp(A_log)
+               Param("norm_weight", "linear_attn.norm", "ssm_norm")),
         experts=MOE_EXPERTS,
         gguf_interleaved_rope=frozenset(),
     )
@@ -201,7 +210,12 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         cfg.linear_num_key_heads, cfg.linear_num_value_heads = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
         cfg.linear_key_head_dim, cfg.linear_value_head_dim = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
         cfg.linear_conv_kernel_dim = raw.get("linear_conv_kernel_dim", 4)
+        cfg.linear_value_heads_tiled = bool(raw.get("linear_value_heads_tiled", False))
         return cfg
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
+        return {**cfg, **qwen35_gguf_fields(gguf)}
 
     @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -225,6 +239,11 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def after_load(self, source: str) -> None:
         if source == "hf":  # (1 + w), as Gemma's norms
             shift_norms(self)
+        else:  # llama.cpp's converter stores the decay rates as -exp(A_log) and the conv kernels [C, K]
+            for layer in self.layers:
+                if isinstance(layer, Qwen3_5LinearLayer):
+                    layer.A_log.data = (-layer.A_log.data.float()).log().to(layer.A_log.dtype)
+                    layer.conv_weight.data = layer.conv_weight.data.reshape(layer.conv_dim, 1, layer.kernel)
         cfg, d = self.cfg, self.cfg.head_dim
         rot = rotary_dim(cfg)
         if rot == d:

@@ -42,9 +42,9 @@ _BUILTIN: dict[str, ModelEntry] = {
     "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
     "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
     "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True),
-    "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM"),
+    "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM", gguf="qwen35"),
     "Qwen3_5ForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
-    "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM", gguf="qwen35moe", gguf_experts=True),
     "Qwen3_5MoeForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
 }
 

@@ -59,12 +59,12 @@ class Param:
     hf: str
     gguf: str
     heads: bool = False  # one value per query head: each rank keeps its heads' under tensor parallelism
+    # the GGUF tensor's suffix: Gemma 4's router scales are `ffn_gate_inp.scale`, Qwen3.5's decay rates `ssm_a`
+    gguf_suffix: str = ".weight"
 
     @property
     def gguf_tensor(self) -> str:
-        """The GGUF tensor's name within its layer: `.weight` added unless the name carries its own suffix
-        (Gemma 4's router scales: `ffn_gate_inp.scale`)."""
-        return self.gguf if "." in self.gguf else self.gguf + ".weight"
+        return self.gguf + self.gguf_suffix
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,9 @@ class WeightNames:
         for lin in self.linears:
             for p in lin.parts:
                 out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, p.rope_heads if rope else None)
-        for n in self.norms:
-            out[self.gguf_layer + n.gguf] = (self.hf_layer + n.hf, None)
+        for n in self.norms:  # (a tensor of another suffix is a family's own, its value converted: not mapped back)
+            if n.gguf_suffix == ".weight":
+                out[self.gguf_layer + n.gguf] = (self.hf_layer + n.hf, None)
         for lin in self.experts:  # stacked along a leading expert axis, `{e}` left in the HF name
             for p in lin.parts:
                 out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, None)
