@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import ARCHS, make_tiny_model
-from helpers import write_gguf_from_folder
+from helpers import gemma4_gguf_keys, qwen35_converter_values, qwen35_gguf_keys, write_gguf_from_folder
 
 from pagedllm import LLM
 from pagedllm.model_executor.models.registry import default_registry
@@ -37,7 +37,12 @@ ARCHS["qwen3-moe-gguf"] = (*ARCHS["qwen3-moe"][:2], {**ARCHS["qwen3-moe"][2], "m
 ARCHS["olmoe-gguf"] = (*ARCHS["olmoe"][:2], {**ARCHS["olmoe"][2], "num_key_value_heads": 4, "clip_qkv": None})
 ARCHS["phi3-gguf"] = (*ARCHS["phi3"][:2], {**ARCHS["phi3"][2], "sliding_window": None})
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3-gguf": "phi3", "gemma3-gguf": "gemma3",
-            "mixtral": "llama", "qwen3-moe-gguf": "qwen3moe", "olmoe-gguf": "olmoe", "gpt-oss-gguf": "gpt-oss"}
+            "mixtral": "llama", "qwen3-moe-gguf": "qwen3moe", "olmoe-gguf": "olmoe", "gpt-oss-gguf": "gpt-oss",
+            "gemma4": "gemma4", "gemma4-moe": "gemma4", "qwen3.5": "qwen35", "qwen3.5-moe-gguf": "qwen35moe"}
+# the families whose files carry keys or values of their own (as llama.cpp's converter writes them)
+WRITER = {"gemma3": {"norm_shift": 1.0}, "gemma4": {"meta": gemma4_gguf_keys},
+          "qwen35": {"meta": qwen35_gguf_keys, "transform": qwen35_converter_values},
+          "qwen35moe": {"meta": qwen35_gguf_keys, "transform": qwen35_converter_values}}
 
 
 def llamacpp_logits(path: str, ids: list[int]) -> np.ndarray | None:
@@ -72,8 +77,7 @@ def main() -> None:
             hf = make_tiny_model(recipe, folder)
             names = default_registry().model_class(hf.config.architectures[0]).WEIGHTS
             path = str(Path(tmp) / f"{recipe}.gguf")
-            write_gguf_from_folder(folder, path, gguf_arch, names, norm_shift=1.0 if gguf_arch == "gemma3" else 0.0,
-                                   vocab=True)
+            write_gguf_from_folder(folder, path, gguf_arch, names, vocab=True, **WRITER.get(gguf_arch, {}))
             with torch.no_grad():
                 ref = hf(torch.tensor([ids])).logits[0].numpy()
             llm = LLM(model=path, dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB")

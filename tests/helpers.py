@@ -234,3 +234,86 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def gemma4_gguf_keys(w, c: dict) -> None:
+    """A `gemma4` file's own keys and rope tensor, as llama.cpp's converter writes them (checked against its output
+    for these configs): per-layer KV heads and MLP widths as arrays, the global head size as `key_length` and the
+    sliding one as `key_length_swa`, the global layers' proportional rope as `rope_freqs` factors of 1 and 1e30."""
+    import numpy as np
+
+    n, types = c["num_hidden_layers"], c["layer_types"]
+    shared = c.get("num_kv_shared_layers") or 0
+    full = {int(k): v for k, v in (c.get("per_layer_config") or {}).items()}
+    d_full = next(v["head_dim"] for v in full.values() if "head_dim" in v)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_key_length(d_full)
+    w.add_key_length_swa(c["head_dim"])
+    w.add_head_count_kv([full.get(i, {}).get("num_key_value_heads", c["num_key_value_heads"]) for i in range(n)])
+    ff = c["intermediate_size"]
+    if c.get("use_double_wide_mlp"):
+        w.add_feed_forward_length([ff * 2 if i >= n - shared else ff for i in range(n)])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(c.get("hidden_size_per_layer_input") or 0)
+    rope = c["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(d_full)
+    w.add_rope_dimension_count_swa(c["head_dim"])
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    pairs = d_full // 2
+    rotated = int(pairs * rope["full_attention"]["partial_rotary_factor"])
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32))
+
+
+def qwen35_gguf_keys(w, c: dict) -> None:
+    """A `qwen35` / `qwen35moe` file's own keys, as llama.cpp's converter writes them."""
+    n = c["num_hidden_layers"]
+    w.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(c["linear_key_head_dim"])
+    w.add_ssm_group_count(c["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(c["linear_num_value_heads"])
+    w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]][:n])
+    w.add_full_attention_interval(c.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]))
+    if c.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+
+
+def qwen35_converter_values(sd: dict, c: dict) -> None:
+    """What llama.cpp's converter stores in place of HF's Qwen3.5 tensors: -exp(A_log), the (1 + w) norms (not the
+    gated one), the conv kernels [C, K], and with fewer key heads than value heads every value-head axis reordered
+    from grouped by key head (HF) to tiled (v0 of each key head, then v1, ...)."""
+    import numpy as np
+
+    hk, hv, dk, dv = (c[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                     "linear_value_head_dim"))
+
+    def tiled(t: np.ndarray, axis: int, d: int) -> np.ndarray:
+        t = np.moveaxis(t, axis, 0)
+        shape = t.shape
+        t = t.reshape(hk, hv // hk, d, *shape[1:]).swapaxes(0, 1).reshape(shape)
+        return np.ascontiguousarray(np.moveaxis(t, 0, axis))
+
+    for name in list(sd):
+        t = sd[name]
+        if name.endswith("A_log.weight"):
+            t = -np.exp(t)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        elif name.endswith("conv1d.weight"):
+            t = t.squeeze(1)
+        if "linear_attn." in name and hk != hv:
+            if name.endswith("in_proj_qkv.weight"):
+                t = np.concatenate([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
+            elif name.endswith("in_proj_z.weight"):
+                t = tiled(t, 0, dv)
+            elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log.weight", "dt_bias.weight")):
+                t = tiled(t, 0, 1)
+            elif name.endswith("conv1d.weight"):
+                t = np.concatenate([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
+            elif name.endswith("out_proj.weight"):
+                t = tiled(t, 1, dv)
+        sd[name] = t
