@@ -176,6 +176,8 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             if s.state_slot is not None:
                 state_seqs.append(StateSeq(s.state_slot, q_start, n, s.start == 0))
+            elif self.state_caches:  # its linear-attention layers would silently see no state: a caller's bug
+                raise RuntimeError(f"request {s.request_id!r} of a model with linear-attention state has no state slot")
             for g, a in enumerate(self.attns):
                 table = tables[g][s.request_id]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))

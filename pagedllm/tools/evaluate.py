@@ -33,6 +33,12 @@ def chunk_logits(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> I
     bm = engine.block_manager
     rid = "__score__"
     req = Request(rid, token_ids, SamplingParams(max_tokens=1))
+    states = engine.scheduler.state_slots  # a model with linear-attention layers: the text's state needs a slot
+    if states is not None:
+        taken = states.take(1)
+        if taken is None:
+            raise RuntimeError("no free state slot for the text")
+        req.state_slot = taken[0]
     done = 0
     try:
         while done < len(token_ids):
@@ -46,6 +52,8 @@ def chunk_logits(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> I
             done += n
     finally:
         engine.free_blocks(rid)
+        if req.state_slot is not None:
+            states.give(req.state_slot)
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int], chunk: int = 512) -> float:
