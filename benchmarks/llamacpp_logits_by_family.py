@@ -36,9 +36,14 @@ from pagedllm.tools.evaluate import chunk_logits
 ARCHS["qwen3-moe-gguf"] = (*ARCHS["qwen3-moe"][:2], {**ARCHS["qwen3-moe"][2], "mlp_only_layers": []})
 ARCHS["olmoe-gguf"] = (*ARCHS["olmoe"][:2], {**ARCHS["olmoe"][2], "num_key_value_heads": 4, "clip_qkv": None})
 ARCHS["phi3-gguf"] = (*ARCHS["phi3"][:2], {**ARCHS["phi3"][2], "sliding_window": None})
+# llama.cpp's gemma4 has a KV-shared layer read the last own layer if global, the one before if sliding (as in the
+# released models), where HF reads the last own layer of its kind: own layers that end sliding, global here
+ARCHS["gemma4-gguf"] = (*ARCHS["gemma4"][:2], {**ARCHS["gemma4"][2], "layer_types": [
+    "sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+    "sliding_attention", "sliding_attention", "full_attention"]})
 FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3-gguf": "phi3", "gemma3-gguf": "gemma3",
             "mixtral": "llama", "qwen3-moe-gguf": "qwen3moe", "olmoe-gguf": "olmoe", "gpt-oss-gguf": "gpt-oss",
-            "gemma4": "gemma4", "gemma4-moe": "gemma4", "qwen3.5": "qwen35", "qwen3.5-moe-gguf": "qwen35moe"}
+            "gemma4-gguf": "gemma4", "gemma4-moe": "gemma4", "qwen3.5": "qwen35", "qwen3.5-moe-gguf": "qwen35moe"}
 # the families whose files carry keys or values of their own (as llama.cpp's converter writes them)
 WRITER = {"gemma3": {"norm_shift": 1.0}, "gemma4": {"meta": gemma4_gguf_keys},
           "qwen35": {"meta": qwen35_gguf_keys, "transform": qwen35_converter_values},

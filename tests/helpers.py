@@ -248,7 +248,9 @@ def gemma4_gguf_keys(w, c: dict) -> None:
     d_full = next(v["head_dim"] for v in full.values() if "head_dim" in v)
     w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     w.add_key_length(d_full)
+    w.add_value_length(d_full)
     w.add_key_length_swa(c["head_dim"])
+    w.add_value_length_swa(c["head_dim"])
     w.add_head_count_kv([full.get(i, {}).get("num_key_value_heads", c["num_key_value_heads"]) for i in range(n)])
     ff = c["intermediate_size"]
     if c.get("use_double_wide_mlp"):
@@ -277,7 +279,11 @@ def qwen35_gguf_keys(w, c: dict) -> None:
     w.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
     w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c["layer_types"]][:n])
     w.add_full_attention_interval(c.get("full_attention_interval", 4))
-    w.add_rope_dimension_count(int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]))
+    rotated = int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"])
+    w.add_rope_dimension_count(rotated)
+    # the multimodal rope's sections (one position stream for text: any split is the same rope); the converter's
+    # default [11, 11, 10] is wider than a tiny head, which llama.cpp refuses: all pairs in the first section then
+    w.add_rope_dimension_sections(c["rope_parameters"].get("mrope_section") or [rotated // 2, 0, 0, 0])
     if c.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
 
