@@ -330,7 +330,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         if logits_indices.numel() == 0:
             return torch.zeros(0, self.cfg.vocab_size, device=x.device)
         h, _ = self.norm(x[logits_indices], None, self.backend)
-        logits = self.lm_head(h, meta.num_decode_rows).float()  # [R, vocab]
+        logits = self.lm_head(h, h.shape[0]).float()  # [R, vocab]: every sampled row as a decode's (see Llama's)
         if self.final_logit_softcapping is not None:
             c = self.final_logit_softcapping
             logits = torch.tanh(logits / c) * c

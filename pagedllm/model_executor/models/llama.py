@@ -322,8 +322,9 @@ class LlamaForCausalLM(nn.Module):
             return torch.zeros(0, self.cfg.vocab_size, device=x.device)
         # only the rows we sample from reach the final norm and the lm_head
         x, _ = self.norm(x[logits_indices], residual[logits_indices], self.backend)
-        # the sampled rows keep the step's order: the decodes' rows first
-        logits = self.lm_head(x, meta.num_decode_rows).float()  # [R, vocab]
+        # each sampled row yields one token, a prompt's last row as a decode's: all of them take the format's
+        # decode path (a few rows: its integer dot, not a dequantization of the whole vocabulary for one row)
+        logits = self.lm_head(x, x.shape[0]).float()  # [R, vocab]
         if self.final_logit_softcapping is not None:
             c = self.final_logit_softcapping
             logits = torch.tanh(logits / c) * c
