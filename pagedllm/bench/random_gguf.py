@@ -42,12 +42,19 @@ SHAPES = {
     "qwen3-30b-a3b": Shape(2048, 6144, 48, 32, 4, 49152, 4096, 1e6, "qwen3moe", 128, 128, 8, 768),
     "tiny": Shape(256, 512, 2, 4, 2, 320, 1024),
     "tiny-moe": Shape(256, 512, 2, 4, 2, 320, 1024, 1e6, "qwen3moe", 64, 8, 2, 256),
+    "tiny-qwen3.5": Shape(256, 512, 4, 4, 2, 320, 1024, 1e7, "qwen35", 64),
     "tiny-gpt-oss": Shape(256, 512, 2, 4, 2, 320, 1024, 150000.0, "gpt-oss", 64, 8, 2, 256),
     # 32 experts of 2880, 4 routed a token: ~21B weights, ~3.6B active (SmolLM2's vocabulary, not its 201k one)
     "gpt-oss-20b": Shape(2880, 2880, 24, 64, 8, 49152, 4096, 150000.0, "gpt-oss", 64, 32, 4, 2880),
     # Gemma 3 4B's text model: head_dim 256 (SmolLM2's vocabulary, not Gemma's 262k)
     "gemma3-4b": Shape(2560, 10240, 34, 8, 4, 49152, 8192, 1e6, "gemma3", 256),
+    # Qwen3.5 9B's text model: three Gated DeltaNet layers (16 key heads, 32 value heads of 128) for each gated
+    # full-attention one (head_dim 256, rope on a quarter) (SmolLM2's vocabulary, not its 248k one)
+    "qwen3.5-9b": Shape(4096, 12288, 32, 16, 4, 49152, 32768, 1e7, "qwen35", 256),
 }
+# Qwen3.5's Gated DeltaNet (qwen35 shapes): key heads, value heads, key / value head size, conv kernel, and every
+# fourth layer full attention
+_DELTA_NET = (16, 32, 128, 128, 4)
 _QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
@@ -143,6 +150,18 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
         w.add_rope_scaling_orig_ctx_len(4096)
     if shape.arch == "gemma3":
         w.add_sliding_window(1024)
+    delta = shape.arch == "qwen35"
+    if delta:
+        hk, hv, dk, dv, kernel = _DELTA_NET
+        w.add_ssm_conv_kernel(kernel)
+        w.add_ssm_state_size(dk)
+        w.add_ssm_group_count(hk)
+        w.add_ssm_time_step_rank(hv)
+        w.add_ssm_inner_size(hv * dv)
+        w.add_array(f"{shape.arch}.attention.recurrent_layers", [i % 4 != 3 for i in range(shape.layers)])
+        w.add_full_attention_interval(4)
+        w.add_rope_dimension_count(head_dim // 4)
+        w.add_rope_dimension_sections([11, 11, 10, 0])
     if shape.experts:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
@@ -170,11 +189,28 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
     q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     for i in range(shape.layers):
         p = f"blk.{i}."
-        add(p + "attn_q.weight", q, shape.hidden)
+        if delta and i % 4 != 3:  # a Gated DeltaNet layer (llama.cpp's ssm_* names; A stored as -exp(A_log))
+            conv = 2 * hk * dk + hv * dv
+            add(p + "attn_qkv.weight", conv, shape.hidden)
+            add(p + "attn_gate.weight", hv * dv, shape.hidden)
+            add(p + "ssm_beta.weight", hv, shape.hidden)
+            add(p + "ssm_alpha.weight", hv, shape.hidden)
+            add(p + "ssm_out.weight", shape.hidden, hv * dv)
+            tensors.append((p + "ssm_conv1d.weight", 0, conv, kernel, "router"))
+            tensors.append((p + "ssm_a", 0, 1, hv, "negative"))
+            norm(p + "ssm_dt.bias", hv)
+            norm(p + "ssm_norm.weight", dv)
+            add(p + "ffn_gate.weight", shape.intermediate, shape.hidden)
+            add(p + "ffn_up.weight", shape.intermediate, shape.hidden)
+            add(p + "ffn_down.weight", shape.hidden, shape.intermediate)
+            norm(p + "attn_norm.weight")
+            norm(p + "post_attention_norm.weight")
+            continue
+        add(p + "attn_q.weight", 2 * q if delta else q, shape.hidden)  # Qwen3.5: each head's q, then its gate
         add(p + "attn_k.weight", kv, shape.hidden)
         add(p + "attn_v.weight", kv, shape.hidden)
         add(p + "attn_output.weight", shape.hidden, q)
-        if shape.arch in ("qwen3", "qwen3moe", "gemma3"):
+        if shape.arch in ("qwen3", "qwen3moe", "gemma3", "qwen35"):
             norm(p + "attn_q_norm.weight", head_dim)
             norm(p + "attn_k_norm.weight", head_dim)
         if shape.arch == "gemma3":
@@ -199,7 +235,7 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
             add(p + "ffn_up.weight", shape.intermediate, shape.hidden)
             add(p + "ffn_down.weight", shape.hidden, shape.intermediate)
         norm(p + "attn_norm.weight")
-        norm(p + "post_attention_norm.weight" if oss else p + "ffn_norm.weight")
+        norm(p + "post_attention_norm.weight" if oss or delta else p + "ffn_norm.weight")
 
     def data(experts: int, rows: int, cols: int, t: str | None, gen: np.random.Generator = rng) -> np.ndarray:
         if t is None and experts:  # an expert bias per expert
@@ -208,14 +244,17 @@ def write_random_gguf(path: Path, shape: Shape, qtype: str, seed: int = 0, types
             return (1 + 0.1 * gen.standard_normal(cols)).astype(np.float32)
         if t == "router":
             return gen.standard_normal((rows, cols), dtype=np.float32) * std
+        if t == "negative":  # decay rates -exp(A_log), A_log ~ log(U(1, 16))
+            return -gen.uniform(1.0, 16.0, cols).astype(np.float32)
         out = random_tensor(gen, max(experts, 1) * rows, cols, t, fast, std)
         return out.reshape(experts, rows, -1) if experts else out
 
     for name, experts, rows, cols, t in tensors:  # shapes first: the header precedes the data
-        q_type = GGMLQuantizationType[t] if t not in (None, "router") else GGMLQuantizationType.F32
+        q_type = GGMLQuantizationType[t] if t not in (None, "router", "negative") else GGMLQuantizationType.F32
         probe = data(0, 1, cols, t, np.random.default_rng())  # one row: its dtype and bytes
-        dims = ([experts] if experts else []) + ([rows] if t is not None else []) + [probe.shape[-1]]
-        nbytes = probe.nbytes * max(experts, 1) * (rows if t is not None else 1)
+        vector = t in (None, "negative")
+        dims = ([experts] if experts else []) + ([rows] if not vector else []) + [probe.shape[-1]]
+        nbytes = probe.nbytes * max(experts, 1) * (rows if not vector else 1)
         w.add_tensor_info(name, dims, probe.dtype, nbytes, raw_dtype=q_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rg = bsub.add_parser("random-gguf", help="write a random-weight GGUF of a real model shape (real kernels, noise)")
     rg.add_argument("out")
-    rg.add_argument("--shape", default="llama3-8b", help="llama3-8b | qwen3-30b-a3b | gpt-oss-20b | gemma3-4b | tiny | tiny-moe")
+    rg.add_argument("--shape", default="llama3-8b",
+                    help="llama3-8b | qwen3-30b-a3b | gpt-oss-20b | gemma3-4b | qwen3.5-9b | tiny | tiny-moe | tiny-qwen3.5")
     rg.add_argument("--type", default="Q4_0", help="ggml type of the linears and embeddings (Q4_0, Q4_K, Q8_0, ...)")
     rg.add_argument("--types", default=None, help="overrides by tensor-name suffix: attn_v.weight=Q6_K,ffn_down.weight=Q6_K")
     rg.add_argument("--seed", type=int, default=0)

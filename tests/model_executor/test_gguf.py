@@ -42,6 +42,19 @@ def test_each_format_runs_in_place_and_tracks_its_dequantized_reference(tmp_path
         assert r["mean_kl"] < 1e-3 and r["top1_agreement"] > 0.93, r  # near-ties of a random model
 
 
+def test_a_random_qwen35_file_runs_its_delta_net_layers_in_q8_0_and_tracks_the_dequantized_reference(tmp_path) -> None:
+    """`bench random-gguf --shape tiny-qwen3.5`: Gated DeltaNet layers in llama.cpp's ssm_* tensors (their fused
+    in-projection's four parts in Q8_0 blocks), a gated full-attention layer; the file's layer kinds and state
+    read back, and through chunks of 64 (the state carried) the blocks track the same file dequantized."""
+    path = write_random_gguf(tmp_path / "q35.gguf", SHAPES["tiny-qwen3.5"], "Q8_0", std=STD)
+    ref, native = _pair(path)
+    model = native.engine.runner.model
+    assert model.cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert model.weight_format == "q8_0" and model.cfg.linear_value_heads_tiled
+    r = compare_to_reference(ref.engine, native.engine, IDS, chunk=64)
+    assert r["mean_kl"] < 1e-3 and r["top1_agreement"] > 0.93, r
+
+
 def test_quantized_weights_are_the_files_pages_not_a_copy(tmp_path) -> None:
     """Q5_K / Q5_0 / Q5_1 run on the mapped file itself; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K are repacked once
     at load where the CPU has the 16-row-group kernel (Q4_0 / Q4_1 / Q8_0 the same bytes per weight),

@@ -272,6 +272,9 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         rank's heads / MLP rows / vocabulary); None = all, in the file's order."""
         n = int(f.by_name[name].shape[1])
         order = unpermute_rows(n, getattr(cfg, part.rope_heads)) if interleaved and part and part.rope_heads else None
+        own = cls.gguf_row_order(part, n, cfg) if part is not None else None
+        if own is not None:
+            order = own if order is None else order[own]
         keep = shard_rows(spec, part, n, cfg, tp)
         if keep is None:
             return order

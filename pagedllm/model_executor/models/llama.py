@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -134,6 +135,12 @@ class LlamaForCausalLM(nn.Module):
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         """An HF checkpoint's tensors (in place), as the weight map names them: a family whose checkpoints
         stack tensors otherwise (gpt-oss: all experts in one) renames or slices them here, as views."""
+
+    @classmethod
+    def gguf_row_order(cls, part: Part, n: int, cfg: ModelConfig) -> np.ndarray | None:
+        """The order to read a GGUF linear part's n rows in, where the model keeps them otherwise than the file (None:
+        the file's). Rows are whole blocks, so quantized rows move without a change."""
+        return None
 
     @classmethod
     def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:

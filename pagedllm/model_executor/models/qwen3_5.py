@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -249,18 +250,30 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         if rot == d:
             return
         # rope on the leading `rot` dims of each head: q and k dims (and their norms' weights) reordered so that the
-        # full-width kernels rotate exactly those (partial_rotary_order); the gates and v keep their order
+        # full-width kernels rotate exactly those (partial_rotary_order); the gates and v keep their order. A GGUF's
+        # rows were read in this order already (gguf_row_order: quantized rows move whole)
         order = partial_rotary_order(d, rot)
         starts = [h * 2 * d for h in range(cfg.num_heads)] + [2 * cfg.num_heads * d + j * d for j in range(cfg.num_kv_heads)]
         rows = torch.cat([s + order for s in starts])
         at = torch.cat([s + torch.arange(d) for s in starts])
         for layer in self.layers:
             if isinstance(layer, Qwen3_5AttentionLayer):
-                for t in (layer.qkv_proj.weight, layer.qkv_proj.bias):
+                for t in (layer.qkv_proj.weight, layer.qkv_proj.bias) if source == "hf" else ():
                     if t is not None:
                         t.data[at] = t.data[rows]
                 for norm in (layer.q_norm, layer.k_norm):
                     norm.weight.data = norm.weight.data[order]
+
+    @classmethod
+    def gguf_row_order(cls, part: Part, n: int, cfg: ModelConfig) -> np.ndarray | None:
+        """q and k rows in the partial-rotary order after_load gives HF's (each head's q then its gate in attn_q)."""
+        d, rot = cfg.head_dim, rotary_dim(cfg)
+        if rot == d or part.gguf not in ("attn_q", "attn_k"):
+            return None
+        order = partial_rotary_order(d, rot).numpy()
+        per_head = 2 * d if part.gguf == "attn_q" else d
+        head = np.concatenate([order, np.arange(d, per_head)])
+        return np.concatenate([h * per_head + head for h in range(n // per_head)])
 
     def kv_specs(self) -> list[KVSpec | None]:
         return [None if isinstance(layer, Qwen3_5LinearLayer) else KVSpec(layer.num_kv_heads, layer.head_dim)
