@@ -50,7 +50,7 @@ SHAPES = {
     "gemma3-4b": Shape(2560, 10240, 34, 8, 4, 49152, 8192, 1e6, "gemma3", 256),
     # Qwen3.5 9B's text model: three Gated DeltaNet layers (16 key heads, 32 value heads of 128) for each gated
     # full-attention one (head_dim 256, rope on a quarter) (SmolLM2's vocabulary, not its 248k one)
-    "qwen3.5-9b": Shape(4096, 12288, 32, 16, 4, 49152, 32768, 1e7, "qwen35", 256),
+    "qwen3.5-9b": Shape(4096, 12288, 32, 16, 4, 49152, 262144, 1e7, "qwen35", 256),
 }
 # Qwen3.5's Gated DeltaNet (qwen35 shapes): key heads, value heads, key / value head size, conv kernel, and every
 # fourth layer full attention

@@ -305,7 +305,9 @@ class LlamaForCausalLM(nn.Module):
         table = self._rope_tables.get(key)
         need = 0 if table is not None and getattr(self, "_rope_reserved", 0) else int(positions.max()) + 1
         if table is None or need > table[0].shape[0]:  # tables grow on demand, computed in fp32 as HF does
-            n = max(need, min(self.cfg.max_position_embeddings, 4096))
+            # at least doubling: a long decode past the table rebuilds it O(log n) times, not at every step
+            grown = 2 * table[0].shape[0] if table is not None else 4096
+            n = max(need, min(self.cfg.max_position_embeddings, grown))
             with torch.device("cpu"):  # built on the host whatever the device: the same bits everywhere
                 freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.rope_inv_freq(key))
                 emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
