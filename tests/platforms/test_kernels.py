@@ -310,7 +310,8 @@ def _attention_qkv_case(attention_qkv, heads: int, kv_heads: int, d: int, pool: 
 
 
 @pytest.mark.parametrize("pool", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 24), (4, 2, 16), (14, 2, 64), (4, 4, 128), (16, 4, 80)])
+@pytest.mark.parametrize("heads, kv_heads, d", [(9, 3, 64), (8, 2, 24), (4, 2, 16), (14, 2, 64), (4, 4, 128), (16, 4, 80),
+                                                 (8, 2, 256)])
 def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, d: int, pool: torch.dtype) -> None:
     """Every query-head grouping the kernel picks (4, 3, 2 or 1 heads per pass) and head dims that are and
     are not multiples of 16."""

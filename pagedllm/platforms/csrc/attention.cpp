@@ -32,9 +32,10 @@
 // through a 256-entry table, q8_0 / q4_0 by converting 16 int8 (or nibbles less 8) at a time, times the scale. Head dims that are not a multiple of 16 go through zero-padded buffers.
 // Without AVX-512 (16 ymm registers, which those tiles overflow), an fp32 pool with D in {32, 64, 128, 256}
 // runs attend_item_f32_avx2: the same math in tiles sized for AVX2.
-// With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128} runs attend_item_bf16 instead: vdpbf16ps on the
+// With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128, 256} runs attend_item_bf16 instead: vdpbf16ps on the
 // pool's rows as stored (no widening), 2-2.4x the widening path at 64 rows (docs/bench/attention_microbench.py:
-// 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us).
+// 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us; Qwen3.5's and
+// Gemma 3's D 256, 16/4 heads, one row over 32k keys on a Zen 4: 13.7 -> see docs/benchmarks.md).
 // Shared prefixes: over a bf16 pool, rows whose sequences start with the same blocks (prefix caching's system
 // prompt, or n samples of a prompt) are grouped (prefix_groups); the keys they share are gathered once per KV
 // head and attended by 48 / G rows at a time in the chunk kernel's math (attend_shared: AMX tiles where the
@@ -620,6 +621,7 @@ ItemFn pick_bf16(int64_t D, int64_t G) {
     case 64: return pick_bf16_group<2>(G);
     case 96: return pick_bf16_group<3>(G);
     case 128: return pick_bf16_group<4>(G);
+    case 256: return pick_bf16_group<8>(G);  // one head a pass: its 16 V accumulators fill half the registers
     default: return nullptr;
   }
 }
