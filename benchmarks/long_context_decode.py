@@ -23,9 +23,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=65)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="1536MiB")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     args = ap.parse_args()
     longest = max(args.contexts) + args.output_len + 16
-    llm = LLM(model=args.model, max_model_len=longest, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(model=args.model, max_model_len=longest, kv_cache_memory=args.kv_cache_memory,
+              kv_cache_dtype=args.kv_cache_dtype)
     model = llm.engine.runner.model
     forward = model.forward
 
@@ -44,7 +46,6 @@ def main() -> None:
             rates[n].append((args.output_len - 1) / (m["finished_time"] - m["first_token_time"]))
             print(f"round {r} context {n}: decode {rates[n][-1]:.2f} tok/s", flush=True)
     base = statistics.median(rates[min(args.contexts)])
-    kv = llm.stats()
     print(f"{args.model}: KV layers {sum(s is not None for s in model.kv_specs())} of {len(model.layers)}, "
           f"state {model.state_bytes_per_seq() / 2**20:.1f} MiB per sequence" if hasattr(model, "state_bytes_per_seq")
           else args.model)
@@ -52,7 +53,6 @@ def main() -> None:
         med = statistics.median(rates[n])
         print(f"context {n:6d}: decode median {med:.2f} tok/s ({base / med:.2f}x the time a token at "
               f"{min(args.contexts)})")
-    del kv
 
 
 if __name__ == "__main__":

@@ -576,29 +576,41 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
   });
   softmax_rows(it, sc, H, n, ld, true);
   if (it.phase == 1) return;
+  // the V sum in parts of the head dims where GB heads' accumulators would not fit 16 registers (D 256, 2 heads:
+  // two halves, each a pass over the tile's V rows, which are in L1 by then)
+  constexpr int SPLIT = [] {  // the fewest parts of whole 32-wide chunks whose accumulators fit
+    for (int p = 1; p < NC; ++p)
+      if (NC % p == 0 && GB * ND / p <= 16) return p;
+    return NC;
+  }();
+  constexpr int NCS = NC / SPLIT;
   sweep(vp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
-    __m512 acc[GB][ND];
-    for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < ND; ++c) acc[g][c] = _mm512_loadu_ps(acc_mem + (h0 + g) * D + 16 * c);
-    for (int j = 0; j < cnt; j += 2) {
-      const uint16_t* v0 = rows[j] + kh * D;
-      const uint16_t* v1 = j + 1 < cnt ? rows[j + 1] + kh * D : zeros;  // its p is 0 (masked past hi)
-      for (int c = 0; c < NC; ++c) {
-        const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
-        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        for (int g = 0; g < GB; ++g) {
-          const float* pr = sc + (h0 + g) * ld + (t0 - it.lo) + j;
-          uint32_t b0, b1;
-          std::memcpy(&b0, pr, 4);
-          std::memcpy(&b1, pr + 1, 4);
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>((b0 >> 16) | (b1 & 0xffff0000u)));
-          acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, pp);
-          acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, pp);
+    for (int part = 0; part < SPLIT; ++part) {
+      const int c0 = part * NCS;
+      __m512 acc[GB][2 * NCS];
+      for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < 2 * NCS; ++c) acc[g][c] = _mm512_loadu_ps(acc_mem + (h0 + g) * D + 16 * (2 * c0 + c));
+      for (int j = 0; j < cnt; j += 2) {
+        const uint16_t* v0 = rows[j] + kh * D;
+        const uint16_t* v1 = j + 1 < cnt ? rows[j + 1] + kh * D : zeros;  // its p is 0 (masked past hi)
+        for (int cc = 0; cc < NCS; ++cc) {
+          const int c = c0 + cc;
+          const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          for (int g = 0; g < GB; ++g) {
+            const float* pr = sc + (h0 + g) * ld + (t0 - it.lo) + j;
+            uint32_t b0, b1;
+            std::memcpy(&b0, pr, 4);
+            std::memcpy(&b1, pr + 1, 4);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>((b0 >> 16) | (b1 & 0xffff0000u)));
+            acc[g][2 * cc] = _mm512_dpbf16_ps(acc[g][2 * cc], lo, pp);
+            acc[g][2 * cc + 1] = _mm512_dpbf16_ps(acc[g][2 * cc + 1], hi, pp);
+          }
         }
       }
+      for (int g = 0; g < GB; ++g)
+        for (int c = 0; c < 2 * NCS; ++c) _mm512_storeu_ps(acc_mem + (h0 + g) * D + 16 * (2 * c0 + c), acc[g][c]);
     }
-    for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc_mem + (h0 + g) * D + 16 * c, acc[g][c]);
   });
   for (int64_t h = 0; h < H; ++h)  // undo the unpack order: vector 2c + u, lane i -> d = 32c + 8 (i / 4) + 4u + i % 4
     for (int64_t c = 0; c < ND; ++c)
@@ -609,6 +621,7 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
 template <int NC>
 ItemFn pick_bf16_group(int64_t G) {
   constexpr int ND = 2 * NC;
+  if (NC == 8 && G % 2 == 0) return attend_item_bf16<NC, 2>;  // D 256: q of two heads in 16 registers, V by halves
   if (G % 4 == 0 && 4 * ND <= 16) return attend_item_bf16<NC, 4>;
   if (G % 3 == 0 && 3 * ND <= 16) return attend_item_bf16<NC, 3>;
   if (G % 2 == 0 && 2 * ND <= 16) return attend_item_bf16<NC, 2>;
@@ -621,7 +634,7 @@ ItemFn pick_bf16(int64_t D, int64_t G) {
     case 64: return pick_bf16_group<2>(G);
     case 96: return pick_bf16_group<3>(G);
     case 128: return pick_bf16_group<4>(G);
-    case 256: return pick_bf16_group<8>(G);  // one head a pass: its 16 V accumulators fill half the registers
+    case 256: return pick_bf16_group<8>(G);
     default: return nullptr;
   }
 }
