@@ -35,7 +35,8 @@
 // With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128, 256} runs attend_item_bf16 instead: vdpbf16ps on the
 // pool's rows as stored (no widening), 2-2.4x the widening path at 64 rows (docs/bench/attention_microbench.py:
 // 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us; Qwen3.5's and
-// Gemma 3's D 256, 16/4 heads, one row over 32k keys on a Zen 4: 13.7 -> see docs/benchmarks.md).
+// Gemma 3's D 256, 16/4 heads, one row on a Zen 4: over 1k keys 549 -> 178 us, over 32k 13.7 -> 9.3 ms).
+// D 256 takes two query heads a pass with the V sum in halves of the head (their accumulators fill 16 registers).
 // Shared prefixes: over a bf16 pool, rows whose sequences start with the same blocks (prefix caching's system
 // prompt, or n samples of a prompt) are grouped (prefix_groups); the keys they share are gathered once per KV
 // head and attended by 48 / G rows at a time in the chunk kernel's math (attend_shared: AMX tiles where the
