@@ -183,6 +183,43 @@ def test_longrope_from_a_gguf_reads_its_rope_factor_tensors(tiny_models, tmp_pat
     assert long.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
 
 
+def test_a_quantized_phi4_mini_gguf_runs_its_partial_rotary_heads_in_their_blocks(tiny_models, tmp_path) -> None:
+    """Phi-4-mini rotates 3/4 of each head: its q/k rows are read from attn_qkv in the order the kernels rotate
+    (whole rows of blocks, so Q8_0 stays in its blocks): F32 gives HF's tokens, Q8_0 tracks the file dequantized."""
+    import math
+
+    import numpy as np
+
+    from pagedllm.model_executor.layers.weight_formats import GGMLWeight
+    from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
+    from pagedllm.tools.evaluate import compare_to_reference
+
+    folder, hf = tiny_models["phi4-mini"]
+
+    def keys(w, c: dict) -> None:
+        rope = c["rope_parameters"]
+        w.add_rope_dimension_count(int(c["hidden_size"] // c["num_attention_heads"] * rope["partial_rotary_factor"]))
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        scale = c["max_position_embeddings"] / rope["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+    f32, q8 = tmp_path / "f32.gguf", tmp_path / "q8.gguf"
+    write_gguf_from_folder(folder, f32, "phi3", Phi3ForCausalLM.WEIGHTS, meta=keys)
+    write_gguf_from_folder(folder, q8, "phi3", Phi3ForCausalLM.WEIGHTS, quant="q8_0", meta=keys)
+    prompt = [(5 * j + 2) % hf.config.vocab_size for j in range(40)]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = LLM(model=str(f32), dtype="float32", num_kv_blocks=64).generate([{"prompt_token_ids": prompt}], sp)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 8)
+    native = LLM(model=str(q8), dtype="float32", num_kv_blocks=64)
+    assert isinstance(native.engine.runner.model.layers[0].qkv_proj.packed, GGMLWeight)
+    ref = LLM(model=str(q8), dtype="float32", num_kv_blocks=64, quantization="none")
+    ids = [(i * 37 + i * i * 11) % hf.config.vocab_size for i in range(200)]
+    r = compare_to_reference(ref.engine, native.engine, ids, chunk=50)
+    assert r["mean_kl"] < 1e-3 and r["top1_agreement"] > 0.93, r
+
+
 @pytest.mark.parametrize("arch,gguf_arch", [("qwen3-moe", "qwen3moe"), ("mixtral", "llama"), ("olmoe", "olmoe")])
 def test_moe_from_a_gguf_with_3d_expert_tensors_generates_what_hf_does(tiny_models, tmp_path, arch, gguf_arch) -> None:
     """Experts stored as GGUF 3-D tensors (`ffn_gate_exps` ...): F32 gives HF's greedy tokens; Q8_0 experts run

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from ...errors import ModelLoadError
@@ -67,15 +68,22 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             cfg.max_position_embeddings = original
         return cfg
 
+    @classmethod
+    def gguf_row_order(cls, part: Part, n: int, cfg: ModelConfig) -> np.ndarray | None:
+        """attn_qkv's q and k rows in the partial-rotary order after_load gives HF's (v keeps the file's): quantized
+        rows move whole, so a quantized Phi-4-mini runs in its blocks."""
+        d, rot = cfg.head_dim, rotary_dim(cfg)
+        if rot == d or part.gguf != "attn_qkv":
+            return None
+        order, qk = partial_rotary_order(d, rot).numpy(), cfg.num_heads + cfg.num_kv_heads
+        return np.concatenate([h * d + order for h in range(qk)] + [np.arange(qk * d, n)])
+
     def after_load(self, source: str) -> None:
         cfg = self.cfg
         rot = rotary_dim(cfg)
-        if rot == cfg.head_dim:
+        if rot == cfg.head_dim or source != "hf":  # a GGUF's rows were read in this order (gguf_row_order)
             return
         lin = self.layers[0].qkv_proj
-        if lin.packed is not None:
-            raise ModelLoadError(f"partial rotary embeddings (rotary dims {rot} of {cfg.head_dim}) from quantized "
-                                 "GGUF blocks are not supported yet: use the HF folder or quantization='none'")
         order = partial_rotary_order(cfg.head_dim, rot)
         # this rank's heads (a tensor-parallel shard holds a slice of them): q and k lead the rows; v keeps its order
         kv_heads = lin.weight.shape[0] // cfg.head_dim * cfg.num_kv_heads // (cfg.num_heads + 2 * cfg.num_kv_heads)
