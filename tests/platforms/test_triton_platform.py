@@ -27,7 +27,7 @@ def _tokens(llm, prompts=PROMPTS):
 
 def _families():
     fast = ["llama"]
-    slow = ["gemma3", "gpt-oss", "qwen3.5", "mixtral", "phi4-mini"]
+    slow = ["gemma3", "gemma4", "gpt-oss", "qwen3.5", "mixtral", "phi4-mini"]
     return fast + [pytest.param(a, marks=pytest.mark.slow) for a in slow]
 
 
