@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ...errors import ModelLoadError
@@ -73,6 +74,13 @@ def partial_rotary_order(head_dim: int, rot: int) -> torch.Tensor:
     first = [*range(half), *range(rot, rot + rest)]
     second = [*range(half, rot), *range(rot + rest, head_dim)]
     return torch.tensor(first + second)
+
+
+def partial_rotary_rows(head_dim: int, rot: int, heads: int, stride: int, n: int) -> np.ndarray:
+    """Row order of a q/k weight of n rows whose first `heads` heads start `stride` rows apart: each head's first
+    head_dim rows in partial_rotary_order (a head's rows past them, and rows past the heads, kept in place)."""
+    head = np.concatenate([partial_rotary_order(head_dim, rot).numpy(), np.arange(head_dim, stride)])
+    return np.concatenate([h * stride + head for h in range(heads)] + [np.arange(heads * stride, n)])
 
 
 def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:

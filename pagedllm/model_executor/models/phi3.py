@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ...errors import ModelLoadError
-from ..layers.rotary import partial_rotary_order, rotary_dim
+from ..layers.rotary import partial_rotary_order, partial_rotary_rows, rotary_dim
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .weight_names import Linear, Part
@@ -75,8 +75,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         d, rot = cfg.head_dim, rotary_dim(cfg)
         if rot == d or part.gguf != "attn_qkv":
             return None
-        order, qk = partial_rotary_order(d, rot).numpy(), cfg.num_heads + cfg.num_kv_heads
-        return np.concatenate([h * d + order for h in range(qk)] + [np.arange(qk * d, n)])
+        return partial_rotary_rows(d, rot, cfg.num_heads + cfg.num_kv_heads, d, n)
 
     def after_load(self, source: str) -> None:
         cfg = self.cfg

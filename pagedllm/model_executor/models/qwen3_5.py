@@ -28,7 +28,7 @@ from torch import nn
 from ...core.kv_spec import KVSpec
 from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked, l2norm, recurrent_step
 from ..layers.linear import PackedLinear
-from ..layers.rotary import partial_rotary_order, rotary_dim
+from ..layers.rotary import partial_rotary_order, partial_rotary_rows, rotary_dim
 from .config import GGUFInfo, ModelConfig, qwen35_gguf_fields, text_config_of
 from .llama import DecoderLayer, LlamaForCausalLM, shift_norms
 from .qwen3 import Qwen3DecoderLayer
@@ -270,10 +270,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         d, rot = cfg.head_dim, rotary_dim(cfg)
         if rot == d or part.gguf not in ("attn_q", "attn_k"):
             return None
-        order = partial_rotary_order(d, rot).numpy()
         per_head = 2 * d if part.gguf == "attn_q" else d
-        head = np.concatenate([order, np.arange(d, per_head)])
-        return np.concatenate([h * per_head + head for h in range(n // per_head)])
+        return partial_rotary_rows(d, rot, n // per_head, per_head, n)
 
     def kv_specs(self) -> list[KVSpec | None]:
         return [None if isinstance(layer, Qwen3_5LinearLayer) else KVSpec(layer.num_kv_heads, layer.head_dim)
