@@ -16,7 +16,7 @@ from pathlib import Path
 from ..config import parse_size
 from ..core.kv_spec import KVSpec, plan_kv_layout
 from ..model_executor.layers.formats import FORMATS
-from ..model_executor.models.config import GGUF_FIELDS, GGUFInfo, per_layer_attention
+from ..model_executor.models.config import GGUF_FIELDS, GGUFInfo, first_layer, per_layer_attention
 
 KV_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0}
 INT_KV_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}  # per 32 values of a head: an fp16 scale, then the values
@@ -144,10 +144,11 @@ def shape_from_gguf(path: Path) -> ModelShape:
     if arch in GGUF_FIELDS:  # layers of their own shapes or kinds, read as the loader reads them
         meta = {k: f.contents() for k, f in r.fields.items() if k.startswith(f"{arch}.")}
         fields = GGUF_FIELDS[arch](GGUFInfo(arch, meta, {t.name: tuple(int(x) for x in t.shape) for t in r.tensors}))
-        first = [v[0] if isinstance(v, list) else v for v in (g("attention.head_count_kv", heads), g("feed_forward_length"))]
         cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads, "vocab_size": vocab,
-               "num_key_value_heads": first[0], "head_dim": g("attention.key_length", hidden // heads),
-               "intermediate_size": first[1], "max_position_embeddings": int(g("context_length", 2048)),
+               "num_key_value_heads": first_layer(g("attention.head_count_kv", heads)),
+               "head_dim": g("attention.key_length", hidden // heads),
+               "intermediate_size": first_layer(g("feed_forward_length")),
+               "max_position_embeddings": int(g("context_length", 2048)),
                "tie_word_embeddings": tied, "sliding_window": window, "num_experts": g("expert_count"),
                "moe_intermediate_size": g("expert_feed_forward_length"), **fields}
         return replace(shape_from_hf_config(cfg, path.stem), weights_bytes=stored)

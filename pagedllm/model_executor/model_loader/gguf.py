@@ -25,7 +25,7 @@ from ...tokenizer import Tokenizer
 from ..layers.formats import FORMATS, WeightFormat, format_of_ggml
 from ..layers.weight_formats import block_bytes_of
 from ..layers.weight_methods import WeightMethods
-from ..models.config import GGUFInfo
+from ..models.config import GGUFInfo, first_layer
 from ..models.registry import ModelRegistry, default_registry
 from ..models.weight_names import Linear, Part, has_module
 from .base import (
@@ -77,12 +77,6 @@ def _decimal(stored: float) -> float:
     return float(str(np.float32(stored)))
 
 
-def _first(value):
-    """A key some architectures store per layer (KV heads, MLP width): the first layer's, for the shared fields
-    (the model's `hf_config_from_gguf` reads the rest)."""
-    return value[0] if isinstance(value, (list, tuple)) else value
-
-
 def gguf_hf_config(meta: dict, shapes: dict[str, tuple[int, ...]], registry: ModelRegistry | None = None,
                    read: Callable[[str], torch.Tensor] | None = None) -> dict:
     """The HF config.json a GGUF's metadata describes. shapes: each tensor's, in ggml's order; read: a small
@@ -104,8 +98,8 @@ def gguf_hf_config(meta: dict, shapes: dict[str, tuple[int, ...]], registry: Mod
         "model_type": arch,
         "architectures": [hf_arch],
         "vocab_size": int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", [])) or 0)), "hidden_size": hidden,
-        "intermediate_size": int(_first(g("feed_forward_length"))), "num_hidden_layers": int(g("block_count")),
-        "num_attention_heads": heads, "num_key_value_heads": int(_first(g("attention.head_count_kv", heads))),
+        "intermediate_size": int(first_layer(g("feed_forward_length"))), "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": int(first_layer(g("attention.head_count_kv", heads))),
         "head_dim": int(g("attention.key_length", hidden // heads)),
         "rms_norm_eps": _decimal(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),

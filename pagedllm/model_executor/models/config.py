@@ -63,6 +63,12 @@ class GGUFInfo:
         return self.meta.get(f"{self.arch}.{key}", default)
 
 
+def first_layer(value: Any) -> Any:
+    """A GGUF key some architectures store per layer (KV heads, MLP width): the first layer's, for the shared
+    fields (the model's `hf_config_from_gguf` reads the rest)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
 def _per_layer(value: Any, n: int) -> list[int]:
     """A GGUF key stored as one number or one per layer."""
     if isinstance(value, (list, tuple)):
