@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig, parse_size
-from ..core.kv_spec import KVLayout, KVSpec, group_layers, plan_kv_layout
+from ..core.kv_spec import KVLayout, KVSpec, PageParts, group_layers, plan_kv_layout
 from ..errors import ConfigError
 from ..model_executor.kv_cache import KVCache
 from ..model_executor.models.config import ModelConfig
@@ -45,6 +45,22 @@ def kv_storage(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[torch.dty
         return torch.uint8, int_kv_cache(k, v or k)
 
     return FP8KVCache.storage_dtype(kv_cache_dtype), FP8KVCache
+
+
+def page_parts(config: EngineConfig, model_dtype: torch.dtype) -> PageParts:
+    """A layer's bytes of one block in each pool tensor of its cache, by its spec: how the layout weighs layers of
+    different shapes against each other (kv_spec.plan_kv_layout). Measured on the meta device: nothing is
+    allocated."""
+    kv_dtype, cache_cls = kv_storage(config.kv_cache_dtype, model_dtype)
+
+    def parts(spec: KVSpec) -> tuple[int, ...]:
+        try:
+            cache = cache_cls(1, config.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, model_dtype, "meta")
+        except ValueError:  # a shape this format cannot hold: refused with its reason when the pool is sized
+            return ()
+        return cache.page_parts()
+
+    return parts
 
 
 def num_blocks_for(config: EngineConfig, bytes_per_block: int, activation_bytes: int | None = None) -> int:

@@ -27,7 +27,7 @@ from ..spec_decode.ngram import NgramProposer, SpecDecodeCounters, SpeculativeCo
 from ..tokenizer import IncrementalDetokenizer
 from .input_processor import InputProcessor, PromptType
 from .kv_offload import check_offload, open_offload
-from .kv_sizing import size_kv_pool
+from .kv_sizing import page_parts, size_kv_pool
 from .output_processor import RequestGroup, check_stop, finish_text, make_output
 from .stats import EngineStats, EngineView, engine_stats, kv_snapshot
 
@@ -60,7 +60,7 @@ class LLMEngine:
                               "proposals: speculative decoding is not supported for it")
         if has_state and config.enable_prefix_caching:
             log.info("prefix caching off: %s's linear-attention state is not kept at block boundaries", mc.architecture)
-        layout = plan_kv_layout(specs, config.hybrid_kv_cache)
+        layout = plan_kv_layout(specs, config.hybrid_kv_cache, page_parts(config, loaded.dtype))
         if draft is not None and layout.groups[0].sliding_window is not None:  # the draft mirrors the first group
             layout = plan_kv_layout(specs, hybrid=False)
         size = size_kv_pool(config, mc, loaded.dtype, specs, draft.model.kv_specs() if draft is not None else None,

@@ -262,11 +262,14 @@ class MetadataBuilder:
     (the op's rows first), which the runner follows."""
 
     def __init__(self, block_size: int, sliding_window: int | None, op: Callable | None, chunk_op: bool,
-                 device: torch.device | str = "cpu", all_rows: bool = False) -> None:
+                 device: torch.device | str = "cpu", all_rows: bool = False, pages: tuple[int, int] = (1, 0)) -> None:
         """device: where the torch paths and a device's kernels read the metadata (the pool's); the C++ ops' run
         on the CPU only. all_rows: the op takes every row of the step (a device's kernels: triton_ops), decodes
-        first, then speculative rows, then prompt rows."""
+        first, then speculative rows, then prompt rows. pages: (per_page, part) where the layers keep their
+        blocks as part `part` of pages holding per_page blocks (kv_spec.py): block b is their block
+        b * per_page + part, in tables and slots alike."""
         self.block_size, self.sliding_window, self.device = block_size, sliding_window, torch.device(device)
+        self.per_page, self.part = pages
         self.op, self.chunk_op, self.all_rows = op, chunk_op, all_rows
         self.paged_chunk_max = PAGED_CHUNK_MAX_BF16 if chunk_op else PAGED_CHUNK_MAX
 
@@ -302,6 +305,9 @@ class MetadataBuilder:
     def add(self, kind: int, q_start: int, n: int, ctx: int, table: list[int]) -> None:
         """A sequence's n rows from q_start, ctx tokens of context after them, in the order of their kinds."""
         nb = -(-ctx // self.block_size)
+        if self.per_page > 1:
+            m, part = self.per_page, self.part
+            table = [b * m + part if b >= 0 else b for b in table[:nb]]  # NULL_BLOCK stays: never read
         paged = kind < 3
         if kind < 2:
             self._decode_rows += n
@@ -319,7 +325,12 @@ class MetadataBuilder:
                                              build_mask(n, ctx, self.sliding_window, self.device)))
 
     def build(self, slots: list[int]) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), num_decodes=len(self._dec_tables),
+        """slots: the new tokens' slots in the group's blocks."""
+        slot_mapping = torch.tensor(slots, device=self.device)
+        if self.per_page > 1:
+            bs = self.block_size
+            slot_mapping = (slot_mapping // bs * self.per_page + self.part) * bs + slot_mapping % bs
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(self._dec_tables),
                                  num_decode_rows=self._decode_rows,
                                  prefills=self._prefills, sliding_window=self.sliding_window, op=self.op,
                                  decode_ctx_lens=self._dec_lens)

@@ -10,6 +10,7 @@ class KVCache:
 
     lossy = False
     rotated = False  # the pool holds heads times an orthogonal matrix (kv_quant.IntKVCache.rotate)
+    POOLS: tuple[str, ...] = ("k", "v")  # the attributes holding a block's state, indexed by block id first
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -42,7 +43,23 @@ class KVCache:
     def pools(self) -> list[torch.Tensor]:
         """Every tensor holding a block's state, indexed by block id first, as bytes (uint8 views): a block
         saved as these and read back into them is the same block (the disk tier)."""
-        return [self.k.view(torch.uint8), self.v.view(torch.uint8)]
+        return [getattr(self, name).view(torch.uint8) for name in self.POOLS]
+
+    def page_parts(self) -> tuple[int, ...]:
+        """Bytes of one block in each pool tensor."""
+        return tuple(t.shape[1:].numel() * t.element_size() for t in (getattr(self, n) for n in self.POOLS))
+
+    def share_pages(self, host: KVCache, per_page: int) -> None:
+        """Keep this cache's blocks in host's pages, per_page of them a page: block b * per_page + j is part j of
+        host's block b, in every pool tensor (page-size unification: kv_spec.py). Each tensor keeps its shape
+        past the first dimension, so the kernels read this cache as any other."""
+        for name, mine, theirs in zip(self.POOLS, (getattr(self, n) for n in self.POOLS), host.pools()):
+            page = theirs.shape[1:].numel()
+            if mine.shape[1:].numel() * mine.element_size() * per_page != page:
+                raise ValueError(f"{name}: {per_page} blocks of {tuple(mine.shape[1:])} {mine.dtype} do not fill a "
+                                 f"page of {page} bytes")
+            shared = theirs.view(-1).view(mine.dtype).view(-1, *mine.shape[1:])  # [host blocks * per_page, ...]
+            setattr(self, name, shared)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.k[dst].copy_(self.k[src])

@@ -33,6 +33,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 class FP8KVCache(KVCache):
     lossy = True  # attention always reads what the cache holds, so fp8 affects every token
+    POOLS = ("k", "v", "k_scale", "v_scale")
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -70,9 +71,6 @@ class FP8KVCache(KVCache):
             s = scales[block_tables].view(b, n, scales.shape[-1])  # [B, L, KVH]
             out.append(dequantize(q, s, self.compute_dtype))
         return out[0], out[1]
-
-    def pools(self) -> list[torch.Tensor]:
-        return [*super().pools(), self.k_scale.view(torch.uint8), self.v_scale.view(torch.uint8)]
 
     def copy_block(self, src: int, dst: int) -> None:
         for data in (self.k, self.v):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..core.kv_spec import KVLayout, plan_kv_layout
+from ..core.kv_spec import KVLayout, KVSpec, plan_kv_layout
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 from .attention import MetadataBuilder
@@ -72,23 +72,37 @@ class ModelRunner:
         self.slot_caches = [cache_factory(num_blocks, block_size, s.num_kv_heads, s.head_dim, kv_dtype, self.dtype,
                                           self.device)
                             for s in self.layout.slot_specs(specs)]
+        # a slot's layers of other shapes keep their blocks in its pages, per_page of them a page
+        by_kind = [{spec: self._in_pages(host, spec, per_page, cache_factory, kv_dtype) for spec, per_page in kinds.items()}
+                   for host, kinds in zip(self.slot_caches, self.layout.slot_kinds(specs))]
         # every pool tensor as bytes, block id first: what the disk tier saves and restores of a block
         self.block_pools = [t for c in self.slot_caches for t in c.pools()]
         states = model.state_caches(num_state_slots) if num_state_slots else {}
         self.state_caches = list(states.values())
         # per layer; None for a layer that keeps neither (it reads another layer's K/V: Gemma 4's shared layers)
-        self.caches = [self.slot_caches[j] if j >= 0 else states.get(i)
+        self.caches = [by_kind[j][specs[i]] if j >= 0 else states.get(i)
                        for i, j in enumerate(self.layout.slot_of_layer)]
         layer, backend = model.layers[0], model.backend  # the backend chose the kernels once, at load
         self.argmax = backend.argmax_rows
         op, chunk_op = backend.paged_ops(self.slot_caches[0], cfg.head_dim, layer.num_heads // layer.num_kv_heads)
         hybrid = self.layout.hybrid
         all_rows = getattr(backend, "all_rows", False) and op is not None
-        self.attns = [MetadataBuilder(block_size, g.sliding_window if hybrid else cfg.sliding_window, op, chunk_op,
-                                     self.device, all_rows)
-                      for g in self.layout.groups]
+        # a builder per view of the pool: a group's, or one per part of its pages where it packs several layers
+        self.attns = [MetadataBuilder(block_size, grp.sliding_window if hybrid else cfg.sliding_window, op, chunk_op,
+                                      self.device, all_rows, (grp.per_page, part))
+                      for grp, part in ((self.layout.groups[g], part) for g, part in self.layout.views)]
         self.attn = self.attns[0]
+        self._view_of_layer = [self.layout.view_of_layer(i) for i in range(len(specs))]
         self.graphs = None  # decode steps replayed from CUDA graphs (cuda_graphs.DecodeGraphs), where captured
+
+    def _in_pages(self, host: KVCache, spec: KVSpec, per_page: int, cache_factory: Callable, kv_dtype: torch.dtype
+                  ) -> KVCache:
+        """The cache of spec's layers in a slot whose pages are host's: host itself where the shapes agree."""
+        if per_page == 1 and (spec.num_kv_heads, spec.head_dim) == (host.k.shape[2], host.head_dim):
+            return host
+        cache = cache_factory(0, self.block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, self.dtype, self.device)
+        cache.share_pages(host, per_page)
+        return cache
 
     def use_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> bool:
         """Decode-only steps of up to max_batch sequences through cuda_graphs.DecodeGraphs (capture False: its
@@ -161,7 +175,8 @@ class ModelRunner:
         order = sorted(range(len(batch.items)), key=lambda i: kinds[i])
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in self.attns]  # per group
+        slots: list[list[int]] = [[] for _ in self.layout.groups]  # per group (a packed view maps them)
+        views = self.layout.views
         logits_rows: list[int] = []
         sampled: list[int] = []
         num_rows: list[int] = []
@@ -178,21 +193,22 @@ class ModelRunner:
                 state_seqs.append(StateSeq(s.state_slot, q_start, n, s.start == 0))
             elif self.state_caches:  # its linear-attention layers would silently see no state: a caller's bug
                 raise RuntimeError(f"request {s.request_id!r} of a model with linear-attention state has no state slot")
-            for g, a in enumerate(self.attns):
+            for g in range(len(slots)):
                 table = tables[g][s.request_id]
                 slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                a.add(kinds[i], q_start, n, start + n, table)
+            for (g, _), a in zip(views, self.attns):
+                a.add(kinds[i], q_start, n, start + n, tables[g][s.request_id])
             if all_logits:
                 logits_rows.extend(range(q_start, q_start + n))
             elif s.completes and want_logits:
                 logits_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
                 sampled.append(i)
                 num_rows.append(1 + s.num_spec)
-        metas = [a.build(sl) for a, sl in zip(self.attns, slots)]
+        metas = [a.build(slots[g]) for (g, _), a in zip(views, self.attns)]
         meta = metas[0]
         meta.state_seqs = state_seqs
-        if len(metas) > 1:  # a layer without KV (group -1) reads the first group's: only its state rows matter
-            meta.layer_meta = [metas[max(g, 0)] for g in self.layout.group_of_layer]
+        if len(metas) > 1:  # a layer without KV (group -1) reads the first view's: only its state rows matter
+            meta.layer_meta = [metas[v] for v in self._view_of_layer]
         dev = self.device
         logits = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.caches, meta,
                             torch.tensor(logits_rows, dtype=torch.long, device=dev))

@@ -13,8 +13,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import LLMEngine
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "gemma4", "gemma4-moe"])
 def test_a_long_request_holds_only_the_window_in_sliding_groups(tiny_models, arch):
+    """Gemma 4's layers of two shapes too: its sliding layers' blocks live in pages of the global layers' bytes."""
     path, hf = tiny_models[arch]
     engine = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=4, num_kv_blocks=4096,
                                     max_num_batched_tokens=32))

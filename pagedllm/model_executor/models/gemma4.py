@@ -16,8 +16,8 @@ What differs from Gemma 3:
   the MLP (normalized, scaled per channel and by hidden ** -0.5), renormalizes its top k and scales each pick by
   its expert's learned scale; the two outputs are normalized apart and summed.
 
-Not yet: bidirectional attention, GGUF files of this family. Layers of the two kinds differ in shape, so their
-KV shares one group with full tables (no sliding-window savings yet).
+Layers of the two kinds differ in shape: the KV layout packs the smaller kind's blocks into pages of the larger
+kind's bytes (kv_spec.py), so the sliding layers hold their window. Not yet: bidirectional attention.
 """
 
 from __future__ import annotations
