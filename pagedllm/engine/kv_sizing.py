@@ -117,8 +117,12 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype
     if issubclass(cache_cls, IntKVCache) and odd:
         raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype} stores blocks of 32 values of a head; this model "
                           f"has heads of {odd[0]}")
-    bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype)
-                          for s in layout.slot_specs(specs))
+    pages = layout.slot_specs(specs)
+    bytes_per_token = sum(world * cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in pages)
+    # layers in another shape's pages keep their scales apart (KVCache.OWN_POOLS)
+    bytes_per_token += sum(world * m * cache_cls.own_bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype)
+                           for page, kinds in zip(pages, layout.slot_kinds(specs)) for s, m in kinds.items()
+                           if (s.num_kv_heads, s.head_dim) != (page.num_kv_heads, page.head_dim))
     bytes_per_token += sum(cache_cls.bytes_per_token(s.num_kv_heads, s.head_dim, kv_dtype) for s in draft_specs or []
                            if s is not None)
     bytes_per_block = bytes_per_token * bs

@@ -11,6 +11,9 @@ class KVCache:
     lossy = False
     rotated = False  # the pool holds heads times an orthogonal matrix (kv_quant.IntKVCache.rotate)
     POOLS: tuple[str, ...] = ("k", "v")  # the attributes holding a block's state, indexed by block id first
+    # of those, the ones a cache in another shape's pages keeps apart (per-head scales: their bytes do not scale
+    # with the head size, so no whole number of them fills another shape's page)
+    OWN_POOLS: tuple[str, ...] = ()
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -46,20 +49,38 @@ class KVCache:
         return [getattr(self, name).view(torch.uint8) for name in self.POOLS]
 
     def page_parts(self) -> tuple[int, ...]:
-        """Bytes of one block in each pool tensor."""
-        return tuple(t.shape[1:].numel() * t.element_size() for t in (getattr(self, n) for n in self.POOLS))
+        """Bytes of one block in each pool tensor that shares pages (all but OWN_POOLS)."""
+        return tuple(getattr(self, n).shape[1:].numel() * getattr(self, n).element_size()
+                     for n in self.POOLS if n not in self.OWN_POOLS)
 
     def share_pages(self, host: KVCache, per_page: int) -> None:
         """Keep this cache's blocks in host's pages, per_page of them a page: block b * per_page + j is part j of
-        host's block b, in every pool tensor (page-size unification: kv_spec.py). Each tensor keeps its shape
-        past the first dimension, so the kernels read this cache as any other."""
-        for name, mine, theirs in zip(self.POOLS, (getattr(self, n) for n in self.POOLS), host.pools()):
+        host's block b, in every pool tensor but OWN_POOLS, which get blocks of their own (page-size
+        unification: kv_spec.py). Each tensor keeps its shape past the first dimension, so the kernels read
+        this cache as any other."""
+        num_blocks = host.k.shape[0] * per_page
+        for name in self.POOLS:
+            mine = getattr(self, name)
+            if name in self.OWN_POOLS:
+                setattr(self, name, mine.new_zeros((num_blocks, *mine.shape[1:])))
+                continue
+            theirs = getattr(host, name).view(torch.uint8)
             page = theirs.shape[1:].numel()
             if mine.shape[1:].numel() * mine.element_size() * per_page != page:
                 raise ValueError(f"{name}: {per_page} blocks of {tuple(mine.shape[1:])} {mine.dtype} do not fill a "
                                  f"page of {page} bytes")
-            shared = theirs.view(-1).view(mine.dtype).view(-1, *mine.shape[1:])  # [host blocks * per_page, ...]
-            setattr(self, name, shared)
+            setattr(self, name, theirs.view(-1).view(mine.dtype).view(-1, *mine.shape[1:]))  # [blocks * per_page, ...]
+
+    def copy_own(self, src: int, dst: int) -> None:
+        """Copy-on-write of the OWN_POOLS of a cache in another's pages (the host's copy moves the rest)."""
+        for name in self.OWN_POOLS:
+            t = getattr(self, name)
+            t[dst].copy_(t[src])
+
+    @staticmethod
+    def own_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """What OWN_POOLS hold per token: paid apart by a layer in another shape's pages."""
+        return 0
 
     def copy_block(self, src: int, dst: int) -> None:
         self.k[dst].copy_(self.k[src])

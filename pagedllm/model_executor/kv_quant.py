@@ -34,6 +34,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 class FP8KVCache(KVCache):
     lossy = True  # attention always reads what the cache holds, so fp8 affects every token
     POOLS = ("k", "v", "k_scale", "v_scale")
+    OWN_POOLS = ("k_scale", "v_scale")
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -50,6 +51,10 @@ class FP8KVCache(KVCache):
     def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         scale_bytes = torch.tensor([], dtype=SCALE_DTYPE).element_size()
         return 2 * num_kv_heads * (head_dim * 1 + scale_bytes)
+
+    @staticmethod
+    def own_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_kv_heads * torch.tensor([], dtype=SCALE_DTYPE).element_size()
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         for data, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):

@@ -75,6 +75,10 @@ class ModelRunner:
         # a slot's layers of other shapes keep their blocks in its pages, per_page of them a page
         by_kind = [{spec: self._in_pages(host, spec, per_page, cache_factory, kv_dtype) for spec, per_page in kinds.items()}
                    for host, kinds in zip(self.slot_caches, self.layout.slot_kinds(specs))]
+        # those with tensors of their own, which the host's copy-on-write does not move: (cache, per_page)
+        self._own_pools = [(c, kinds[spec]) for host, kinds, caches in
+                           zip(self.slot_caches, self.layout.slot_kinds(specs), by_kind)
+                           for spec, c in caches.items() if c is not host and c.OWN_POOLS]
         # every pool tensor as bytes, block id first: what the disk tier saves and restores of a block
         self.block_pools = [t for c in self.slot_caches for t in c.pools()]
         states = model.state_caches(num_state_slots) if num_state_slots else {}
@@ -161,6 +165,9 @@ class ModelRunner:
         for src, dst in batch.copies:  # copy-on-write before anything writes
             for c in self.slot_caches:
                 c.copy_block(src, dst)
+            for c, m in self._own_pools:
+                for j in range(m):
+                    c.copy_own(src * m + j, dst * m + j)
         for src, dst in batch.state_copies:
             for c in self.state_caches:
                 c.copy_slot(src, dst)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..config import parse_size
-from ..core.kv_spec import KVSpec, plan_kv_layout
+from ..core.kv_spec import KVLayout, KVSpec, PageParts, plan_kv_layout
 from ..model_executor.layers.formats import FORMATS
 from ..model_executor.models.config import GGUF_FIELDS, GGUFInfo, first_layer, per_layer_attention
 
@@ -173,11 +173,25 @@ def load_shape(model: str | None = None, preset: str | None = None) -> ModelShap
     return shape_from_hf_config(json.loads(cfg_path.read_text()), p.name if p.is_dir() else p.parent.name)
 
 
-def _head_bytes(fmt: str, head_dim: int) -> float:
+def _head_bytes(fmt: str, head_dim: int, scale: bool = True) -> float:
     """One K or V head vector of one token: q8_0 / q4_0 blocks of 32 values, or dtype bytes (+ fp8's scale)."""
     if fmt in INT_KV_BLOCK_BYTES:
         return -(-head_dim // 32) * INT_KV_BLOCK_BYTES[fmt]
-    return head_dim * KV_DTYPE_BYTES[fmt] + (FP8_SCALE_BYTES if fmt.startswith("fp8") else 0)
+    return head_dim * KV_DTYPE_BYTES[fmt] + (FP8_SCALE_BYTES if scale and fmt.startswith("fp8") else 0)
+
+
+def _page_parts(kv_dtype: str) -> PageParts:
+    """A layer's K and V bytes of a token as the engine's pages hold them (fp8 scales apart)."""
+    k, _, v = kv_dtype.partition("/")
+    return lambda spec: tuple(int(spec.num_kv_heads * _head_bytes(f, spec.head_dim, False)) for f in (k, v or k))
+
+
+def _page_bytes(specs: list[KVSpec | None], layout: KVLayout, kv_dtype: str) -> int:
+    """One token's bytes of a block id: a page of every slot, and the fp8 scales of layers in other shapes' pages."""
+    pages = layout.slot_specs(specs)
+    own = sum(m * 2 * s.num_kv_heads * FP8_SCALE_BYTES for page, kinds in zip(pages, layout.slot_kinds(specs))
+              for s, m in kinds.items() if (s.num_kv_heads, s.head_dim) != (page.num_kv_heads, page.head_dim))
+    return _token_bytes(pages, kv_dtype) + (own if kv_dtype.startswith("fp8") else 0)
 
 
 def check_kv_dtype(kv_dtype: str) -> None:
@@ -204,8 +218,8 @@ def kv_bytes_per_sequence(shape: ModelShape, kv_dtype: str, num_tokens: int, blo
     """The paged KV one sequence of num_tokens holds while it decodes: every layer's blocks, or with the
     hybrid layout a full-attention group's every block and a sliding group's window (the engine's pages)."""
     specs = shape.kv_specs()
-    layout = plan_kv_layout(specs, hybrid)
-    page = _token_bytes(layout.slot_specs(specs), kv_dtype)  # a block id is one page across the slot tensors
+    layout = plan_kv_layout(specs, hybrid, _page_parts(kv_dtype))
+    page = _page_bytes(specs, layout, kv_dtype)  # a block id is one page across the slot tensors
     blocks = 0
     for g in layout.groups:
         held = -(-num_tokens // block_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm import LLM
 from pagedllm.core.kv_spec import MAX_GROUPS, KVGroup, KVSpec, group_layers, pages_per_kind, plan_kv_layout
 
@@ -69,7 +71,8 @@ def test_the_slot_count_keeps_full_attention_pages_full() -> None:
 
 
 def test_pages_that_do_not_divide_keep_one_group() -> None:
-    """FP8 pages: K and V halve with the head size but the per-head scales do not, so no whole ratio fills a page."""
+    """Per-head scales kept in the page: K and V halve with the head size but the scales do not, so no whole ratio
+    fills a page (FP8KVCache keeps its scales apart, OWN_POOLS, for this reason)."""
     glob, window = KVSpec(2, 512), KVSpec(2, 256, 512)
 
     def fp8(spec: KVSpec) -> tuple[int, ...]:
@@ -98,3 +101,16 @@ def test_layers_of_a_smaller_shape_keep_their_blocks_in_the_pages_of_a_larger(ti
             assert tuple(cache.k.shape) == (32, 4, 2, 16) and cache.k.data_ptr() == host.k.data_ptr()
             assert cache.v.untyped_storage().data_ptr() == host.v.untyped_storage().data_ptr()
     assert engine.bytes_per_block == 2 * 4 * 2 * 2 * 32 * 4  # two pages of a global layer's K and V, fp32
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4-moe", "gemma3"])
+def test_the_pool_allocates_what_sizing_counted(tiny_models, arch, kv_dtype) -> None:
+    """Every byte the caches hold (pages shared once, fp8 scales kept apart counted too) is what the budget paid."""
+    engine = LLM(tiny_models[arch][0], dtype="float32", num_kv_blocks=16, block_size=4, kv_cache_dtype=kv_dtype).engine
+    storages = {}
+    for cache in engine.runner.caches:
+        if cache is not None:
+            for t in cache.pools():
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert sum(storages.values()) == 16 * engine.bytes_per_block

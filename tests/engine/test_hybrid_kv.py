@@ -100,3 +100,26 @@ def test_linear_attention_state_is_constant_in_length_and_its_limits_are_clear(t
     with pytest.raises(ConfigError, match="speculative decoding is not supported"):
         LLM(model=path, dtype="float32", num_kv_blocks=64,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "bfloat16"])
+def test_packed_pages_give_the_full_layouts_tokens(tiny_models, kv_dtype):
+    """gemma4-moe keeps two sliding layers' blocks a page (fp8: their per-head scales apart). Through preemption,
+    prefix hits and n = 2 (copy-on-write of shared blocks, scales included), every continuation is the one the
+    full layout gives in the same format."""
+    path, hf = tiny_models["gemma4-moe"]
+    rng = random.Random(4)
+    shared = [rng.randrange(3, hf.config.vocab_size) for _ in range(14)]
+    prompts = [shared + [rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(20, 40))] for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    runs = {}
+    for hybrid in (True, False):
+        llm = LLM(model=path, dtype="float32", block_size=4, kv_cache_dtype=kv_dtype, hybrid_kv_cache=hybrid,
+                  num_kv_blocks=40, max_num_batched_tokens=16)
+        assert llm.engine.runner.layout.packed == hybrid
+        first = llm.generate({"prompt_token_ids": prompts[0]}, params)  # the others hit its prefix
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
+        runs[hybrid] = [[c.token_ids for c in o.outputs] for o in first + rest]
+        st = llm.stats()
+        assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
+    assert runs[True] == runs[False]

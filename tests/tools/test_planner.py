@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from pagedllm.core.kv_spec import KVSpec
 from pagedllm.tools.planner import (
+    _token_bytes,
     format_plan,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
@@ -143,7 +145,7 @@ def test_linear_attention_layers_count_their_state_not_kv():
 
 def test_gemma4_layers_of_their_own_shapes_and_shared_kv():
     """Gemma 4: global layers of their own head size and KV heads; the last layers read earlier layers' K/V and
-    keep none. Layers of two shapes share one group of full tables, as the engine lays them out."""
+    keep none. Layers of two shapes share the pool in pages of the larger's bytes, as the engine lays them out."""
     cfg = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
            "attention_k_eq_v": True, "num_kv_shared_layers": 2, "sliding_window": 24, "intermediate_size": 128,
@@ -153,5 +155,27 @@ def test_gemma4_layers_of_their_own_shapes_and_shared_kv():
     assert shape.layer_windows == (24, 24, None, 24)
     per_token = 3 * 2 * 16 * 2 * 2 + 1 * 32 * 2 * 2  # three sliding layers and one global, bf16 K and V
     assert kv_bytes_per_token(shape, "bfloat16") == per_token
-    assert kv_bytes_per_sequence(shape, "bfloat16", 100, 16) == 7 * 16 * per_token
+    assert kv_bytes_per_sequence(shape, "bfloat16", 100, 16, hybrid=False) == 7 * 16 * per_token
+    # a 32-value page per slot (one global layer, or one sliding layer: the same bytes): the full group's 7 blocks,
+    # and each of 3 sliding groups the blocks from token 100 - 23 on (3 of 7)
+    assert kv_bytes_per_sequence(shape, "bfloat16", 100, 16) == (7 + 3 * 3) * 16 * 32 * 2 * 2
     assert plan(shape, "1GB", "bfloat16").layers == "3 window 24, 1 full, 2 reading an earlier layer's KV"
+
+
+GEMMA4_31B = {"model_type": "gemma4_text", "hidden_size": 5376, "num_hidden_layers": 60, "num_attention_heads": 32,
+              "num_key_value_heads": 16, "head_dim": 256, "global_head_dim": 512, "num_global_key_value_heads": 4,
+              "attention_k_eq_v": True, "sliding_window": 1024, "intermediate_size": 21504, "vocab_size": 262144,
+              "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10, "max_position_embeddings": 262144}
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_gemma4_sliding_layers_hold_their_window_in_pages_of_another_shape(kv_dtype):
+    """Gemma-4-31B-shaped: 50 sliding layers (16 KV heads of 256) and 10 global (4 of 512, half the bytes). At 32k
+    tokens a request holds within 1.2x of the window arithmetic (global layers x length + sliding x window)."""
+    shape = shape_from_hf_config(GEMMA4_31B, "gemma-4-31b")
+    n = 32768
+    arithmetic = sum(_token_bytes([KVSpec(h, d)], kv_dtype) * (n if w is None else w)
+                     for (h, d), w in zip(shape.layer_kv, shape.layer_windows))
+    paged = kv_bytes_per_sequence(shape, kv_dtype, n, 16)
+    assert arithmetic <= paged <= 1.2 * arithmetic
+    assert kv_bytes_per_sequence(shape, kv_dtype, n, 16, hybrid=False) > 4 * paged
