@@ -128,7 +128,7 @@ def test_linear_bf16_fallback_isa_paths(request, tmp_path, isa):
 
         if isa == "avx512f" and "avx512f" not in cpu_isa_flags().split():
             pytest.skip("this CPU has no AVX-512")
-        masked = ["-mno-avx512bf16", "-mno-amx-tile"] if isa == "avx512f" else ["-mno-avx2"]
+        masked = ["-mno-avx512bf16", "-mno-amx-tile"] if isa == "avx512f" else ["-mno-avx2", "-mno-amx-tile"]
         csrc = Path(pagedllm.__file__).parent / "platforms" / "csrc"
         stub = tmp_path / "stub.cpp"
         stub.write_text('#include <torch/extension.h>\n#include "linear_bf16.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
