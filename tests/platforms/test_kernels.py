@@ -368,6 +368,38 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     assert_attention_close(alone, ref[last], torch.bfloat16)
 
 
+@pytest.mark.parametrize("heads, kv_heads, d, bs, window", [
+    (16, 4, 256, 16, 0), (16, 4, 256, 1, 0), (32, 8, 128, 32, 0), (8, 1, 128, 16, 700), (12, 4, 128, 16, 0)])
+def test_decode_op_over_long_bf16_contexts(ops, heads: int, kv_heads: int, d: int, bs: int, window: int) -> None:
+    """Decode rows over thousands of keys of a bf16 pool (on an AMX CPU, the tile kernel: K tiles straight from a
+    block's slots or staged when blocks are not 16 slots, V re-laid as key pairs, keys split across threads or
+    not, ranges that do not start or end on a tile), against the rounded-q-and-p reference."""
+    g = torch.Generator().manual_seed(heads + d + bs + window)
+    ctxs = [2000, 1111, 3001]
+    per = -(-max(ctxs) // bs)
+    perm = torch.randperm(len(ctxs) * per + 3, generator=g)
+    bt = perm[:len(ctxs) * per].view(len(ctxs), per)
+    k_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).bfloat16()
+    v_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).bfloat16()
+    q = torch.randn(len(ctxs), heads, d, generator=g) * 2
+    refs = []
+    for s, c in enumerate(ctxs):
+        k, v = (p[bt[s]].reshape(-1, kv_heads, d)[:c].transpose(0, 1).unsqueeze(0) for p in (k_pool, v_pool))
+        mask = torch.arange(c) >= (c - window if window else 0)
+        refs.append(attention_ref(q[s:s + 1].transpose(0, 1).unsqueeze(0), k, v, mask.view(1, 1, 1, c), d ** -0.5,
+                                  torch.bfloat16)[0].transpose(0, 1))
+    ones = torch.ones(len(ctxs), dtype=torch.long)
+    together = torch.zeros_like(q)  # a row per thread or more: each row's keys in one item
+    ops.paged_attention(together, q, k_pool, v_pool, bt, torch.arange(len(ctxs)), torch.arange(len(ctxs)), ones,
+                        torch.tensor(ctxs), d ** -0.5, window, None, None, None)
+    assert_attention_close(together, torch.cat(refs), torch.bfloat16)
+    for s, c in enumerate(ctxs):  # one row alone: its keys split across the threads
+        alone = torch.zeros_like(q[s:s + 1])
+        ops.paged_attention(alone, q[s:s + 1], k_pool, v_pool, bt[s:s + 1], torch.tensor([0]), torch.tensor([0]),
+                            torch.tensor([1]), torch.tensor([c]), d ** -0.5, window, None, None, None)
+        assert_attention_close(alone, refs[s], torch.bfloat16)
+
+
 @pytest.mark.slow
 def test_attention_without_avx512(ops_avx2) -> None:
     """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions

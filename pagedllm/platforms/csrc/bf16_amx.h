@@ -26,19 +26,16 @@ inline bool usable() {
 }
 
 // eight 16-row x 64-byte tiles on the calling thread (the shape every kernel here uses); tile state is
-// per thread, so each worker loads it before its first tile instruction
-inline void configure() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+// per thread, so each worker loads it before its first tile instruction. The configuration is a constant in
+// memory: GCC does not treat ldtilecfg as reading its operand, and stores to a local one were moved past it.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline constexpr TileConfig kTiles8x16x64 = {1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+inline void configure() { _tile_loadconfig(&kTiles8x16x64); }
 
 // out[0 : 16T, 0 : 48] (ldo floats apart) = 16T rows of x pairs (ldx pairs apart) . panel, over K2 pairs
 // (a multiple of 16). T = 2: C tiles 0-5, A in tile 6, B in tile 7, ordered so each A or B load feeds two
