@@ -942,7 +942,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
               "paged_attention: heads and pool do not match");
   const bool fp8 = dtype == 2 || vtype == 2;
   ItemFn own = dt == torch::kBFloat16 ? pick_bf16(D, H / KVH) : dt == torch::kFloat32 ? pick_f32(D) : nullptr;
-  if (dt == torch::kBFloat16 && pick_amx(D, H, KVH)) own = pick_amx(D, H, KVH);
+  if (const ItemFn tiles = dt == torch::kBFloat16 ? pick_amx(D, H, KVH) : nullptr) own = tiles;
   if (!own && dt != torch::kFloat32) own = pick_widened(D);
   const ItemFn fn = own ? own : pick_kernel(D, H / KVH);
   TORCH_CHECK(fn != nullptr, "paged_attention: head_dim ", D, " is not supported (at most 128, or 256)");

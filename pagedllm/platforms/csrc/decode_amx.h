@@ -19,6 +19,7 @@
 // configure the tiles (bf16_amx.h: eight tiles of 16 rows x 64 bytes) on the calling thread first.
 #pragma once
 #include "bf16_amx.h"
+#include "vec16.h"
 
 #if PAGEDLLM_AMX && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -47,14 +48,12 @@ inline void q_tiles(const Geometry& g, const float* q, std::vector<uint32_t>& ou
   for (int64_t h = 0; h < g.H; ++h) {
     const int64_t cg = h / GH, col = h % GH, khl = (h / g.G()) % KPG;
     uint32_t* base = out.data() + (cg * KPG + khl) * DC * 256;
-    for (int64_t i = 0; i < g.D / 2; ++i) {  // d pair i -> tile i / 16, row i % 16
-      uint32_t lo, hi;
-      const float a = q[h * g.D + 2 * i], b = q[h * g.D + 2 * i + 1];
-      std::memcpy(&lo, &a, 4);
-      std::memcpy(&hi, &b, 4);
-      lo = (lo + 0x7fffu + ((lo >> 16) & 1u)) >> 16;  // round to nearest even, as vec::bf16_bits
-      hi = (hi + 0x7fffu + ((hi >> 16) & 1u)) >> 16;
-      base[(i / 16) * 256 + (i % 16) * 16 + col] = lo | (hi << 16);
+    for (int64_t d = 0; d < g.D; d += 16) {  // d pair i -> tile i / 16, row i % 16
+      const vec::v16u b = vec::bf16_bits(vec::load16(q + h * g.D + d)) >> 16;
+      for (int j = 0; j < 8; ++j) {
+        const int64_t i = d / 2 + j;
+        base[(i / 16) * 256 + (i % 16) * 16 + col] = b[2 * j] | (b[2 * j + 1] << 16);
+      }
     }
   }
 }
