@@ -41,8 +41,17 @@ class TPGroup:
 
 
 def check_divisible(cfg: Any, world: int) -> None:
+    """Every dimension tensor parallelism cuts must cut into `world` whole parts: a clear startup error if not."""
+    kv_heads = sorted({kv for _, kv in getattr(cfg, "layer_shapes", ())} - {cfg.num_kv_heads})  # Gemma 4's own kinds
     for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                    *(("a layer's num_key_value_heads", kv) for kv in kv_heads),
                     ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size),
-                    ("moe_intermediate_size", getattr(cfg, "moe_intermediate_size", 0))):
+                    ("moe_intermediate_size", getattr(cfg, "moe_intermediate_size", 0)),
+                    ("shared_expert_intermediate_size", getattr(cfg, "shared_expert_intermediate_size", 0)),
+                    ("linear_num_value_heads", getattr(cfg, "linear_num_value_heads", 0))):
         if n % world:
             raise ConfigError(f"tensor_parallel_size={world} does not divide the model's {name} ({n})")
+    if getattr(cfg, "linear_num_key_heads", 0) and cfg.linear_key_span(world, 0) is None:
+        raise ConfigError(f"tensor_parallel_size={world} does not cut the model's linear-attention heads "
+                          f"({cfg.linear_num_key_heads} key, {cfg.linear_num_value_heads} value) so that each rank "
+                          "keeps the key heads its value heads read")

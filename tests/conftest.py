@@ -85,6 +85,8 @@ ARCHS = {
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
 }
+# Gemma 4's layers with two KV heads on the global layers too: a model tensor parallelism cuts in two
+ARCHS["gemma4-tp"] = ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(ARCHS["gemma4"][2], num_global_key_value_heads=2))
 # two key heads for four value heads: llama.cpp's converter reorders the value heads of such a model
 ARCHS["qwen3.5-moe-gguf"] = ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
                              dict(ARCHS["qwen3.5-moe"][2], linear_num_key_heads=2, linear_num_value_heads=4))

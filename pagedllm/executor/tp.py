@@ -49,6 +49,7 @@ class StepPlan:
     work: list[BatchItem] = field(default_factory=list)
     tables: list[tuple[int, str, int, list[int]]] = field(default_factory=list)  # (group, request, at, tail)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # forks' linear-attention state slots
     gone: list[str] = field(default_factory=list)
     all_logits: bool = False
 
@@ -96,15 +97,15 @@ def run_worker(rank: int, world: int, init_method: str, config: Any, started: An
     try:
         loaded = load_model(config.model, config.dtype, config.quantization, tp=tp, registry=config.model_registry,
                             context=config.max_model_len)
-        num_blocks, block_size, kv_dtype, cache_cls, layout = _broadcast(None)
-        runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls, layout)
+        num_blocks, block_size, kv_dtype, cache_cls, layout, num_state_slots = _broadcast(None)
+        runner = ModelRunner(loaded.model, num_blocks, block_size, kv_dtype, cache_cls, layout, num_state_slots)
         tables: list[dict[str, list[int]]] = [{} for _ in layout.groups]
         while True:
             plan = _broadcast(None)
             if plan is None:
                 break
             apply_tables(tables, plan)
-            runner.execute_batch(Batch(plan.work, plan.copies), tables, all_logits=plan.all_logits)
+            runner.execute_batch(Batch(plan.work, plan.copies, plan.state_copies), tables, all_logits=plan.all_logits)
     finally:
         dist.destroy_process_group()
 
@@ -156,8 +157,9 @@ class TPDriver:
                 time.sleep(0.05)
         self.tp = _init(0, self.world, init)
 
-    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, cache_cls: type, layout: Any) -> None:
-        self._send((num_blocks, block_size, kv_dtype, cache_cls, layout))
+    def setup(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype, cache_cls: type, layout: Any,
+              num_state_slots: int = 0) -> None:
+        self._send((num_blocks, block_size, kv_dtype, cache_cls, layout, num_state_slots))
 
     def check_alive(self) -> None:
         dead = [p for p in self.procs if not p.is_alive()]
@@ -174,7 +176,8 @@ class TPDriver:
     def step(self, sched: Any, tables: Any, gone: list[str], all_logits: bool = False) -> None:
         """tables: one per group of the layout (request id -> block table)."""
         batch = batch_of(sched)
-        plan = StepPlan(work=batch.items, copies=batch.copies, gone=gone, all_logits=all_logits)
+        plan = StepPlan(work=batch.items, copies=batch.copies, state_copies=batch.state_copies, gone=gone,
+                        all_logits=all_logits)
         for rid in gone:
             for g in range(len(tables)):
                 self._sent.pop((g, rid), None)
@@ -233,7 +236,7 @@ class TPExecutor(Executor):
     def init_kv_cache(self, model: Any, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
                       cache_cls: type, layout: Any = None, num_state_slots: int = 0) -> Any:
         runner = super().init_kv_cache(model, num_blocks, block_size, kv_dtype, cache_cls, layout, num_state_slots)
-        self.driver.setup(num_blocks, block_size, kv_dtype, cache_cls, runner.layout)
+        self.driver.setup(num_blocks, block_size, kv_dtype, cache_cls, runner.layout, num_state_slots)
         return runner
 
     def execute_model(self, sched: Any, tables: Any, all_logits: bool = False) -> Any:

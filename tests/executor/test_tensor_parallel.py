@@ -36,18 +36,25 @@ def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe",
-                                  "gpt-oss"])
+                                  "gpt-oss", "gemma4-tp", "gemma4-moe", "qwen3.5", "qwen3.5-moe-gguf"])
 def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):
+    """qwen3.5: grouped 2 key / 4 value DeltaNet heads, each rank one key head; qwen3.5-moe-gguf: the same heads
+    on a MoE with a shared expert. Their recurrent state is not a prefix-cacheable block, so no hits there."""
     path, hf = tiny_models[arch]
+    stateful = arch.startswith("qwen3.5")
     options = dict(OPTIONS, kv_cache_memory=full_layout_kv_memory(hf.config, 48, 4))  # small enough to preempt
     base = LLM(path, **options)
     expected = _run(base, 1)
-    assert base.stats().num_preemptions > 0 and base.stats().prefix_cache_hits > 0  # the paths are exercised
+    assert base.stats().num_preemptions > 0 and (stateful or base.stats().prefix_cache_hits > 0)  # exercised
     with LLM(path, tensor_parallel_size=2, **options) as tp:
         assert _run(tp, 1) == expected
         st = tp.stats()
-        assert st.num_preemptions > 0 and st.prefix_cache_hits > 0
-        assert tp.engine.runner.caches[0].k.shape[2] == 1  # each rank holds 1 of the 2 KV heads
+        assert st.num_preemptions > 0 and (stateful or st.prefix_cache_hits > 0)
+        runner = tp.engine.runner
+        kv = next(c for c in runner.caches if hasattr(c, "k"))
+        assert kv.k.shape[2] == 1  # each rank holds 1 of the 2 KV heads
+        if stateful:  # and half the DeltaNet's value heads' states
+            assert runner.state_caches[0].recurrent.shape[1] == hf.config.linear_num_value_heads // 2
 
 
 def test_plan_diffs_rebuild_the_drivers_tables():
@@ -102,6 +109,11 @@ def test_divisibility_is_a_clear_startup_error(tiny_models):
         LLM(tiny_models["llama"][0], tensor_parallel_size=3)
 
 
+def test_a_layer_kind_whose_kv_heads_do_not_cut_is_a_startup_error(tiny_models):
+    with pytest.raises(ConfigError, match=r"a layer's num_key_value_heads \(1\)"):  # Gemma 4's one global KV head
+        LLM(tiny_models["gemma4"][0], tensor_parallel_size=2)
+
+
 def test_a_model_without_tensor_parallelism_says_so_at_startup(tiny_models):
     with pytest.raises(ModelLoadError, match="OlmoeForCausalLM does not run under tensor parallelism"):
         LLM(tiny_models["olmoe"][0], tensor_parallel_size=2)
@@ -146,11 +158,13 @@ def test_server_fails_requests_and_exits_1_when_a_worker_dies(tiny_models):
             srv.proc.kill()
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q6_K"])
-def test_tp2_runs_a_gguf_in_its_own_formats_sharded_along_whole_blocks(tmp_path, qtype):
+@pytest.mark.parametrize(("shape", "qtype"), [("tiny", "Q8_0"), ("tiny", "Q4_1"), ("tiny", "Q6_K"),
+                                             ("tiny-qwen3.5", "Q8_0")])
+def test_tp2_runs_a_gguf_in_its_own_formats_sharded_along_whole_blocks(tmp_path, shape, qtype):
+    """tiny-qwen3.5: llama.cpp's tiled DeltaNet heads (16 key, 32 value): each rank keeps all 16 key heads."""
     from pagedllm.bench.random_gguf import SHAPES, write_random_gguf
 
-    path = str(write_random_gguf(tmp_path / f"{qtype}.gguf", SHAPES["tiny"], qtype, seed=1, std=0.08))
+    path = str(write_random_gguf(tmp_path / f"{qtype}.gguf", SHAPES[shape], qtype, seed=1, std=0.08))
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(320) for _ in range(rng.randint(5, 40))]} for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)

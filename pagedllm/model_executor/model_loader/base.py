@@ -17,7 +17,7 @@ from ...platforms import Platform
 from ...tokenizer import Tokenizer
 from ..models.config import ModelConfig, architecture_of
 from ..models.registry import ModelRegistry, default_registry
-from ..models.weight_names import Linear, Param, Part, WeightNames, has_module, piece_sizes
+from ..models.weight_names import Linear, Param, Part, WeightNames, has_module, piece_rows
 
 log = logging.getLogger("pagedllm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,12 +66,16 @@ def shard_rows(spec: Linear | None, part: Part | None, n_rows: int, cfg: ModelCo
         return None
     if part is None or not part.split:
         return np.arange(*tp.span(n_rows))
+    return stacked_rows(part.split, n_rows, cfg, tp, part.hf)
+
+
+def stacked_rows(split: tuple[str, ...], n_rows: int, cfg: ModelConfig, tp: TPGroup, name: str) -> np.ndarray:
     pieces, lo = [], 0
-    for size in piece_sizes(part.split, cfg):
-        pieces.append(lo + np.arange(*tp.span(size)))
+    for size, keep in piece_rows(split, cfg, tp.world, tp.rank):
+        pieces.append(lo + keep)
         lo += size
     if lo != n_rows:
-        raise ModelLoadError(f"{part.hf}: {n_rows} rows do not stack {part.split} of this config ({lo} rows)")
+        raise ModelLoadError(f"{name}: {n_rows} rows do not stack {split} of this config ({lo} rows)")
     return np.concatenate(pieces)
 
 
@@ -90,11 +94,13 @@ def layer_linears(names: WeightNames, layer: nn.Module) -> list[tuple[Linear, in
     return specs
 
 
-def set_param(owner: nn.Module, spec: Param, w: torch.Tensor, tp: TPGroup | None) -> None:
+def set_param(owner: nn.Module, spec: Param, w: torch.Tensor, cfg: ModelConfig, tp: TPGroup | None) -> None:
     """A loaded tensor into its place: a module's weight, or a parameter of `owner` itself; cut to this rank's
-    heads where it has one value per head."""
+    heads where it has one value per head, or its rows where they stack a linear's pieces."""
     if spec.heads and tp is not None:
         w = w[slice(*tp.span(w.shape[0]))]
+    elif spec.split and tp is not None:
+        w = w[torch.from_numpy(stacked_rows(spec.split, w.shape[0], cfg, tp, spec.hf))]
     w = nn.Parameter(w, requires_grad=False)
     if has_module(owner, spec.attr):
         owner.get_submodule(spec.attr).weight = w

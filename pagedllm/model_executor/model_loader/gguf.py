@@ -350,7 +350,7 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
             linear(layer.get_submodule(spec.attr), spec, prefix, expert)
         for n in wn.norms:
             if hasattr(layer, n.attr) or has_module(layer, n.attr):  # a layer of one kind skips the other kind's
-                set_param(layer, n, f.dense(prefix + n.gguf_tensor), tp)
+                set_param(layer, n, f.dense(prefix + n.gguf_tensor), cfg, tp)
     for kind, n in dequantized.items():
         log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
                     str(tdtype).removeprefix("torch."))

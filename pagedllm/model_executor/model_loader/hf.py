@@ -122,7 +122,7 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
             linear(layer, spec, prefix)
         for n in names.norms:
             if hasattr(layer, n.attr) or has_module(layer, n.attr):  # a layer of one kind skips the other's
-                set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), tp)
+                set_param(layer, n, take(f"{prefix}{n.hf}.weight").to(tdtype), cfg, tp)
     sd.clear()  # the loaded tensors now belong to the model (or were cut from)
     if blocks_dequantized:
         log.warning("%d linears stored in a block format (MXFP4) dequantized at load to %s", blocks_dequantized,

@@ -184,6 +184,25 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_layers
 
+    def linear_key_span(self, world: int, rank: int) -> tuple[int, int] | None:
+        """The key heads one rank of `world` keeps of each Gated DeltaNet layer. Its value heads are the span
+        [a, a + m) of m = Hv / world, and it keeps the key heads they read: a span of them, or one (or all) kept
+        by several ranks. Inside the rank the value heads read its key heads as the whole layer's did (tiled or
+        grouped). None: the heads do not cut so."""
+        hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+        if not hk or hv % world:
+            return None
+        m = hv // world
+        a = rank * m
+        if self.linear_value_heads_tiled:  # value head j reads key head j % Hk
+            if m % hk == 0:
+                return 0, hk
+            return (a % hk, a % hk + m) if hk % m == 0 else None
+        r = hv // hk  # value head j reads key head j // r
+        if m % r == 0:
+            return a // r, (a + m) // r
+        return (a // r, a // r + 1) if r % m == 0 else None
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """The fields every decoder-only family shares; a model's `config_from_hf` adds its own."""

@@ -17,7 +17,8 @@ What differs from Gemma 3:
   its expert's learned scale; the two outputs are normalized apart and summed.
 
 Layers of the two kinds differ in shape: the KV layout packs the smaller kind's blocks into pages of the larger
-kind's bytes (kv_spec.py), so the sliding layers hold their window. Not yet: bidirectional attention.
+kind's bytes (kv_spec.py), so the sliding layers hold their window. Under tensor parallelism each layer's heads
+are cut by its own shape; the per-layer inputs run whole on every rank. Not yet: bidirectional attention.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class Gemma4MoE(FusedMoE):
         out = backend.moe_experts(self, h, ids, weights, decode_rows)
         if out is None:
             out = self.run_experts(h, ids, weights, decode_rows, backend)
+        if self.reduce is not None:
+            self.reduce.all_reduce(out)
         return out.to(h.dtype)
 
 
@@ -182,15 +185,15 @@ class Gemma4DecoderLayer(Gemma3DecoderLayer):
 
 class Gemma4ForCausalLM(Gemma3ForCausalLM):
     layer_cls = Gemma4DecoderLayer
-    supports_tensor_parallel = False
     WEIGHTS = dataclasses.replace(
         _GEMMA3,
         linears=(
             *_GEMMA3.linears,
             Linear("qk_proj", (Part("self_attn.q_proj", "attn_q"), Part("self_attn.k_proj", "attn_k"))),
             Linear("q_proj", (Part("self_attn.q_proj", "attn_q"),)),
-            Linear("per_layer_input_gate", (Part("per_layer_input_gate", "inp_gate"),)),
-            Linear("per_layer_projection", (Part("per_layer_projection", "proj"),)),
+            # whole on every rank under tensor parallelism: the per-layer inputs are small (a few % of a layer)
+            Linear("per_layer_input_gate", (Part("per_layer_input_gate", "inp_gate"),), "replicated"),
+            Linear("per_layer_projection", (Part("per_layer_projection", "proj"),), "replicated"),
             Linear("mlp.gate", (Part("router.proj", "ffn_gate_inp"),), "replicated"),
         ),
         norms=(*_GEMMA3.norms, Param("post_per_layer_input_norm", "post_per_layer_input_norm", "post_norm"),
@@ -200,7 +203,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                Param("post_feedforward_layernorm_2", "post_feedforward_layernorm_2", "post_ffw_norm_2"),
                Param("mlp.router_norm", "router.scale", "ffn_gate_inp", gguf_suffix=".scale"),
                Param("mlp.expert_scale", "router.per_expert_scale", "ffn_down_exps", gguf_suffix=".scale")),
-        experts=(Linear("mlp.experts.{e}.gate_up_proj", (Part("experts.{e}.gate_up_proj", "ffn_gate_up_exps"),)),
+        experts=(Linear("mlp.experts.{e}.gate_up_proj", (Part("experts.{e}.gate_up_proj", "ffn_gate_up_exps",
+                                                              split=("moe", "moe")),)),
                  Linear("mlp.experts.{e}.down_proj", (Part("experts.{e}.down_proj", "ffn_down_exps"),), "row")),
         extras=(Param("embed_tokens_per_layer", "model.embed_tokens_per_layer", "per_layer_token_embd"),
                 Param("per_layer_model_projection", "model.per_layer_model_projection", "per_layer_model_proj"),

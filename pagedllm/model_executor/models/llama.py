@@ -181,14 +181,13 @@ class LlamaForCausalLM(nn.Module):
     def use_tensor_parallel(self, tp: TPGroup) -> None:
         """The loader cut this rank's shards; the layers now count this rank's heads and reduce across ranks."""
         cfg, n = self.cfg, tp.world
-        hq, hk, d = cfg.num_heads // n, cfg.num_kv_heads // n, cfg.head_dim
         self.tp = tp
         self.embed_tokens.tp, self.embed_tokens.vocab_range = tp, tp.span(cfg.vocab_size)
         self.lm_head.gather = tp  # vocab-parallel logits
         row_parallel = [spec.attr for spec in self.WEIGHTS.linears if spec.parallel == "row"]
-        for layer in self.layers:
-            layer.num_heads, layer.num_kv_heads = hq, hk
-            layer.q_size, layer.kv_size = hq * d, hk * d
+        for layer in self.layers:  # (each layer's own shape: Gemma 4's global layers differ)
+            layer.num_heads, layer.num_kv_heads = layer.num_heads // n, layer.num_kv_heads // n
+            layer.q_size, layer.kv_size = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
             for attr in row_parallel:  # the ranks' partial sums
                 if has_module(layer, attr):
                     layer.get_submodule(attr).reduce = tp

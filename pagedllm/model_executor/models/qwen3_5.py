@@ -13,7 +13,9 @@
 HF `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM`, and the language model of their `...ForConditionalGeneration`
 checkpoints. Text positions only: the multimodal rope's three position streams coincide for text,
 which makes it the plain rope. A state cannot be rolled back or shared at a prefix boundary, so speculative
-decoding is refused and prefix caching is off for this model; tensor parallelism is not supported yet.
+decoding is refused and prefix caching is off for this model. Under tensor parallelism each rank keeps a span of
+the linear-attention layers' value heads and the key heads those read (ModelConfig.linear_key_span), and their
+states for those heads only.
 """
 
 from __future__ import annotations
@@ -105,6 +107,11 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         self.norm_weight = nn.Parameter(torch.empty(self.dv), requires_grad=False)
         self.eps = cfg.rms_norm_eps
 
+    def use_heads(self, key_heads: int, value_heads: int) -> None:
+        """A tensor-parallel shard's heads (its in_proj rows, conv channels and out_proj columns were cut so)."""
+        self.hk, self.hv = key_heads, value_heads
+        self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
+
     def state_cache(self, num_slots: int) -> StateCache:
         return StateCache(num_slots, self.conv_dim, self.kernel, self.hv, self.dk, self.dv, self.conv_weight.device)
 
@@ -177,7 +184,6 @@ def _layer(cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     layer_cls = staticmethod(_layer)
-    supports_tensor_parallel = False
     has_state = True  # linear-attention layers: state slots, no prefix caching, no speculative decoding
     WEIGHTS = dataclasses.replace(
         _LLAMA,
@@ -186,16 +192,17 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                                            Part("mlp.shared_expert.up_proj", "ffn_up_shexp"))),
                  Linear("shared_down", (Part("mlp.shared_expert.down_proj", "ffn_down_shexp"),), "row"),
                  Linear("shared_expert_gate", (Part("mlp.shared_expert_gate", "ffn_gate_inp_shexp"),), "replicated"),
-                 Linear("in_proj", (Part("linear_attn.in_proj_qkv", "attn_qkv"), Part("linear_attn.in_proj_z", "attn_gate"),
+                 Linear("in_proj", (Part("linear_attn.in_proj_qkv", "attn_qkv", split=("lk", "lk", "lv")),
+                                    Part("linear_attn.in_proj_z", "attn_gate"),
                                     Part("linear_attn.in_proj_b", "ssm_beta"), Part("linear_attn.in_proj_a", "ssm_alpha"))),
                  Linear("out_proj", (Part("linear_attn.out_proj", "ssm_out"),), "row")),
         norms=(Param("input_layernorm", "input_layernorm", "attn_norm"),  # llama.cpp's name for the second norm:
                Param("post_attention_layernorm", "post_attention_layernorm", "post_attention_norm"),
                Param("q_norm", "self_attn.q_norm", "attn_q_norm"),
                Param("k_norm", "self_attn.k_norm", "attn_k_norm"),
-               Param("conv_weight", "linear_attn.conv1d", "ssm_conv1d"),
-               Param("dt_bias", "linear_attn.dt_bias", "ssm_dt", gguf_suffix=".bias"),
-               Param("A_log", "linear_attn.A_log", "ssm_a", gguf_suffix=""),  # a GGUF holds -exp(A_log)
+               Param("conv_weight", "linear_attn.conv1d", "ssm_conv1d", split=("lk", "lk", "lv")),
+               Param("dt_bias", "linear_attn.dt_bias", "ssm_dt", heads=True, gguf_suffix=".bias"),
+               Param("A_log", "linear_attn.A_log", "ssm_a", heads=True, gguf_suffix=""),  # a GGUF: -exp(A_log)
                Param("norm_weight", "linear_attn.norm", "ssm_norm")),
         experts=MOE_EXPERTS,
         gguf_interleaved_rope=frozenset(),
@@ -244,7 +251,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             for layer in self.layers:
                 if isinstance(layer, Qwen3_5LinearLayer):
                     layer.A_log.data = (-layer.A_log.data.float()).log().to(layer.A_log.dtype)
-                    layer.conv_weight.data = layer.conv_weight.data.reshape(layer.conv_dim, 1, layer.kernel)
+                    layer.conv_weight.data = layer.conv_weight.data.reshape(-1, 1, layer.kernel)  # (a TP shard's)
         cfg, d = self.cfg, self.cfg.head_dim
         rot = rotary_dim(cfg)
         if rot == d:
@@ -253,7 +260,12 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         # full-width kernels rotate exactly those (partial_rotary_order); the gates and v keep their order. A GGUF's
         # rows were read in this order already (gguf_row_order: quantized rows move whole)
         order = partial_rotary_order(d, rot)
-        starts = [h * 2 * d for h in range(cfg.num_heads)] + [2 * cfg.num_heads * d + j * d for j in range(cfg.num_kv_heads)]
+        # this rank's heads (a tensor-parallel shard holds a slice of them): rows = 2 H D + 2 KVH D
+        group = cfg.num_heads // cfg.num_kv_heads
+        attn = next(layer for layer in self.layers if isinstance(layer, Qwen3_5AttentionLayer))
+        kv_heads = attn.qkv_proj.out_features // (d * (2 * group + 2))
+        heads = group * kv_heads
+        starts = [h * 2 * d for h in range(heads)] + [2 * heads * d + j * d for j in range(kv_heads)]
         rows = torch.cat([s + order for s in starts])
         at = torch.cat([s + torch.arange(d) for s in starts])
         for layer in self.layers:
@@ -272,6 +284,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             return None
         per_head = 2 * d if part.gguf == "attn_q" else d
         return partial_rotary_rows(d, rot, n // per_head, per_head, n)
+
+    def use_tensor_parallel(self, tp) -> None:
+        super().use_tensor_parallel(tp)
+        lo, hi = self.cfg.linear_key_span(tp.world, tp.rank)
+        for layer in self.layers:
+            if isinstance(layer, Qwen3_5LinearLayer):
+                layer.use_heads(hi - lo, self.cfg.linear_num_value_heads // tp.world)
 
     def kv_specs(self) -> list[KVSpec | None]:
         return [None if isinstance(layer, Qwen3_5LinearLayer) else KVSpec(layer.num_kv_heads, layer.head_dim)

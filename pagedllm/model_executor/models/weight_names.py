@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Part:
@@ -21,15 +23,26 @@ class Part:
     # rotary halves of its rows (the loader restores HF's order; rows are whole blocks, so no bytes change)
     rope_heads: str | None = None
     # a checkpoint tensor that stacks several outputs (Phi-3's qkv_proj: "q", "kv", "kv"; gate_up_proj: "ffn",
-    # "ffn"): tensor parallelism cuts each piece on its own
+    # "ffn"; Qwen3.5's in_proj_qkv: "lk", "lk", "lv"): tensor parallelism cuts each piece on its own (piece_rows)
     split: tuple[str, ...] = ()
 
 
-def piece_sizes(split: tuple[str, ...], cfg: Any) -> list[int]:
-    """Rows of each piece of a stacked tensor, from the model's config."""
+def piece_rows(split: tuple[str, ...], cfg: Any, world: int, rank: int) -> list[tuple[int, np.ndarray]]:
+    """Each piece of a stacked tensor: (its rows, the rows of it one rank keeps). A piece is cut by an even span,
+    except the linear-attention key channels ("lk"), of which a rank keeps the key heads its value heads read."""
     sizes = {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim, "ffn": cfg.intermediate_size,
-             "moe": cfg.moe_intermediate_size}
-    return [sizes[name] for name in split]
+             "moe": cfg.moe_intermediate_size, "lk": cfg.linear_num_key_heads * cfg.linear_key_head_dim,
+             "lv": cfg.linear_num_value_heads * cfg.linear_value_head_dim, "lh": cfg.linear_num_value_heads}
+    out = []
+    for name in split:
+        n = sizes[name]
+        if name == "lk":
+            lo, hi = cfg.linear_key_span(world, rank)
+            lo, hi = lo * cfg.linear_key_head_dim, hi * cfg.linear_key_head_dim
+        else:
+            lo, hi = rank * n // world, (rank + 1) * n // world
+        out.append((n, np.arange(lo, hi)))
+    return out
 
 
 def has_module(owner: Any, path: str) -> bool:
@@ -58,7 +71,8 @@ class Param:
     attr: str
     hf: str
     gguf: str
-    heads: bool = False  # one value per query head: each rank keeps its heads' under tensor parallelism
+    heads: bool = False  # one value per head (query heads; a linear-attention layer's value heads): cut by rank
+    split: tuple[str, ...] = ()  # rows stacked as a linear's part's are (Qwen3.5's conv channels): cut the same way
     # the GGUF tensor's suffix: Gemma 4's router scales are `ffn_gate_inp.scale`, Qwen3.5's decay rates `ssm_a`
     gguf_suffix: str = ".weight"
 
