@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..distributed import TPGroup, check_divisible
+from ..distributed import TPGroup
 from ..errors import ConfigError, PagedLLMError
 from ..model_executor.model_runner import Batch, BatchItem, batch_of
 from .base import Executor
@@ -217,10 +217,9 @@ class TPExecutor(Executor):
         super().__init__(config)
         if config.speculative_config is not None and config.speculative_config.method == "draft_model":
             raise ConfigError("a draft model is not supported with tensor_parallel_size > 1 (n-gram is)")
-        from ..model_executor.model_loader import peek_config
+        from ..model_executor.model_loader import check_tensor_parallel
 
-        # before any process starts
-        check_divisible(peek_config(config.model, config.model_registry), config.tensor_parallel_size)
+        check_tensor_parallel(config.model, config.model_registry, config.tensor_parallel_size)  # before any process
         self.driver = TPDriver(config)
         self.group = self.driver.tp
         self._gone: list[str] = []  # freed since the last step: the workers drop their tables

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import full_layout_kv_memory
 
-from pagedllm import LLM, ConfigError, ModelLoadError, SamplingParams
+from pagedllm import LLM, ConfigError, SamplingParams
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.kv_spec import NULL_BLOCK
 from pagedllm.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -36,7 +36,8 @@ def _run(llm: LLM, seed: int) -> list[list[list[int]]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "phi3", "phi4-mini", "gemma3", "mixtral", "qwen3-moe",
-                                  "gpt-oss", "gemma4-tp", "gemma4-moe", "qwen3.5", "qwen3.5-moe-gguf"])
+                                  "gpt-oss", "olmoe", "gemma4-tp", "gemma4-moe", "qwen3.5",
+                                  "qwen3.5-moe-gguf"])
 def test_tp2_greedy_equals_tp1_with_chunking_prefix_hits_and_preemption(tiny_models, arch):
     """qwen3.5: grouped 2 key / 4 value DeltaNet heads, each rank one key head; qwen3.5-moe-gguf: the same heads
     on a MoE with a shared expert. Their recurrent state is not a prefix-cacheable block, so no hits there."""
@@ -112,11 +113,6 @@ def test_divisibility_is_a_clear_startup_error(tiny_models):
 def test_a_layer_kind_whose_kv_heads_do_not_cut_is_a_startup_error(tiny_models):
     with pytest.raises(ConfigError, match=r"a layer's num_key_value_heads \(1\)"):  # Gemma 4's one global KV head
         LLM(tiny_models["gemma4"][0], tensor_parallel_size=2)
-
-
-def test_a_model_without_tensor_parallelism_says_so_at_startup(tiny_models):
-    with pytest.raises(ModelLoadError, match="OlmoeForCausalLM does not run under tensor parallelism"):
-        LLM(tiny_models["olmoe"][0], tensor_parallel_size=2)
 
 
 def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):

@@ -94,6 +94,15 @@ def test_registered_architecture_loads_through_the_generic_loaders(hf_model, ren
         assert o.outputs[0].token_ids == hf_greedy(hf_model, p, 16)
 
 
+def test_an_architecture_that_cannot_shard_says_so_before_any_worker_starts(renamed_folder) -> None:
+    class SingleRank(RenamedLlama):
+        supports_tensor_parallel = False
+
+    mine = default_registry().register("RenamedLlamaForCausalLM", SingleRank)
+    with pytest.raises(ModelLoadError, match="RenamedLlamaForCausalLM does not run under tensor parallelism"):
+        LLM(model=str(renamed_folder), dtype="float32", tensor_parallel_size=2, model_registry=mine)
+
+
 def test_a_registry_is_the_callers_not_global() -> None:
     mine = registry()
     assert "RenamedLlamaForCausalLM" in mine.architectures

@@ -12,9 +12,8 @@ from pathlib import Path
 from ...distributed import TPGroup
 from ...errors import ModelLoadError
 from ..layers.formats import QUANTIZE_AT_LOAD
-from ..models.config import ModelConfig
 from ..models.registry import ModelRegistry
-from .base import LoadedModel, model_class
+from .base import LoadedModel, check_shardable, model_class
 from .gguf import gguf_cache_key, gguf_config, load_gguf
 from .hf import load_hf_folder, read_config
 
@@ -63,11 +62,12 @@ def load_model(model: str | os.PathLike | None, dtype: str = "auto", quantizatio
     raise ModelLoadError(f"{path} is neither a .gguf file nor a folder with config.json")
 
 
-def peek_config(model: str | os.PathLike | None, registry: ModelRegistry | None = None) -> ModelConfig:
-    """A model's shape without its weights (for checks before anything is loaded)."""
+def check_tensor_parallel(model: str | os.PathLike | None, registry: ModelRegistry | None, world: int) -> None:
+    """Whether a model runs across `world` ranks, from its config alone (before any worker starts)."""
     path = Path(model) if model else default_model_path()
     raw = gguf_config(path, registry) if _is_gguf(path) else read_config(path)
-    return model_class(raw, registry).config_from_hf(raw)
+    cls = model_class(raw, registry)
+    check_shardable(cls, cls.config_from_hf(raw), world)
 
 
 def model_content_key(model: str | os.PathLike | None) -> str:
@@ -88,4 +88,4 @@ def model_content_key(model: str | os.PathLike | None) -> str:
 
 
 __all__ = ["DEFAULT_GGUF", "LoadedModel", "default_model_path", "gguf_cache_key", "load_model", "model_content_key",
-           "peek_config"]
+           "check_tensor_parallel"]

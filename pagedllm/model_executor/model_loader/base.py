@@ -40,11 +40,17 @@ def model_class(raw: dict, registry: ModelRegistry | None) -> type:
 def build(cls: type, cfg: ModelConfig, has_bias: dict[str, bool], tp: TPGroup | None) -> nn.Module:
     """The model on the meta device: every parameter is assigned by the loader, none initialized."""
     if tp is not None:
-        if not getattr(cls, "supports_tensor_parallel", True):
-            raise ModelLoadError(f"{cfg.architecture} does not run under tensor parallelism yet")
-        check_divisible(cfg, tp.world)
+        check_shardable(cls, cfg, tp.world)
     with torch.device("meta"):
         return cls(cfg, frozenset(attr for attr, yes in has_bias.items() if yes))
+
+
+def check_shardable(cls: type, cfg: ModelConfig, world: int) -> None:
+    """A clear startup error where the model cannot run across `world` ranks (a registered architecture may
+    declare `supports_tensor_parallel = False`)."""
+    if not getattr(cls, "supports_tensor_parallel", True):
+        raise ModelLoadError(f"{cfg.architecture} does not run under tensor parallelism")
+    check_divisible(cfg, world)
 
 
 def resolve_dtype(dtype: str, cfg: dict, platform: Platform) -> torch.dtype:
