@@ -355,10 +355,10 @@ def load_gguf(path: Path, dtype: str = "auto", quantization: str | None = None,
         log.warning("%d tensors of %s have no kernel: dequantized at load to %s", n, kind,
                     str(tdtype).removeprefix("torch."))
     check_complete(model, path)
+    if tp is not None:  # first: after_load reads this rank's head counts
+        model.use_tensor_parallel(tp)
     model.after_load("gguf")
     model.eval()
-    if tp is not None:
-        model.use_tensor_parallel(tp)
     methods.process(model, platform)
     f.drop_metadata()
     model.gguf = f  # keeps the map (the weights used in place) alive as long as the model

@@ -128,10 +128,10 @@ def load_hf_folder(path: Path, dtype: str = "auto", quantization: str | None = N
         log.warning("%d linears stored in a block format (MXFP4) dequantized at load to %s", blocks_dequantized,
                     str(tdtype).removeprefix("torch."))
     check_complete(model, path)
+    if tp is not None:  # first: after_load reads this rank's head counts
+        model.use_tensor_parallel(tp)
     model.after_load("hf")
     model.eval()
-    if tp is not None:
-        model.use_tensor_parallel(tp)
     methods.process(model, platform)
     return LoadedModel(model, cfg, _tokenizer(path, raw), path.name, path, tdtype)
 

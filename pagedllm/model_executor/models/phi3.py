@@ -82,12 +82,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         rot = rotary_dim(cfg)
         if rot == cfg.head_dim or source != "hf":  # a GGUF's rows were read in this order (gguf_row_order)
             return
-        lin = self.layers[0].qkv_proj
         order = partial_rotary_order(cfg.head_dim, rot)
-        # this rank's heads (a tensor-parallel shard holds a slice of them): q and k lead the rows; v keeps its order
-        kv_heads = lin.weight.shape[0] // cfg.head_dim * cfg.num_kv_heads // (cfg.num_heads + 2 * cfg.num_kv_heads)
-        heads = kv_heads * (cfg.num_heads // cfg.num_kv_heads + 1)
-        rows = torch.cat([h * cfg.head_dim + order for h in range(heads)])
+        first = self.layers[0]  # this rank's heads (under tensor parallelism a slice): q and k lead the rows
+        rows = torch.cat([h * cfg.head_dim + order for h in range(first.num_heads + first.num_kv_heads)])
         for layer in self.layers:
             w = layer.qkv_proj.weight.data
             w[:rows.numel()] = w[rows]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...core.kv_spec import KVSpec
+from ...distributed import TPGroup
 from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked, l2norm, recurrent_step
 from ..layers.linear import PackedLinear
 from ..layers.rotary import partial_rotary_order, partial_rotary_rows, rotary_dim
@@ -251,7 +252,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             for layer in self.layers:
                 if isinstance(layer, Qwen3_5LinearLayer):
                     layer.A_log.data = (-layer.A_log.data.float()).log().to(layer.A_log.dtype)
-                    layer.conv_weight.data = layer.conv_weight.data.reshape(-1, 1, layer.kernel)  # (a TP shard's)
+                    layer.conv_weight.data = layer.conv_weight.data.reshape(layer.conv_dim, 1, layer.kernel)
         cfg, d = self.cfg, self.cfg.head_dim
         rot = rotary_dim(cfg)
         if rot == d:
@@ -260,11 +261,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         # full-width kernels rotate exactly those (partial_rotary_order); the gates and v keep their order. A GGUF's
         # rows were read in this order already (gguf_row_order: quantized rows move whole)
         order = partial_rotary_order(d, rot)
-        # this rank's heads (a tensor-parallel shard holds a slice of them): rows = 2 H D + 2 KVH D
-        group = cfg.num_heads // cfg.num_kv_heads
+        # this rank's heads (under tensor parallelism a slice): rows = 2 H D + 2 KVH D
         attn = next(layer for layer in self.layers if isinstance(layer, Qwen3_5AttentionLayer))
-        kv_heads = attn.qkv_proj.out_features // (d * (2 * group + 2))
-        heads = group * kv_heads
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
         starts = [h * 2 * d for h in range(heads)] + [2 * heads * d + j * d for j in range(kv_heads)]
         rows = torch.cat([s + order for s in starts])
         at = torch.cat([s + torch.arange(d) for s in starts])
@@ -285,7 +284,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         per_head = 2 * d if part.gguf == "attn_q" else d
         return partial_rotary_rows(d, rot, n // per_head, per_head, n)
 
-    def use_tensor_parallel(self, tp) -> None:
+    def use_tensor_parallel(self, tp: TPGroup) -> None:
         super().use_tensor_parallel(tp)
         lo, hi = self.cfg.linear_key_span(tp.world, tp.rank)
         for layer in self.layers:
