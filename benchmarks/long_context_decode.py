@@ -6,7 +6,9 @@ the request's prompt steps run, the model's forward returns zero logits without 
 slots and the linear layers' states keep the zeros they were allocated with; every decode step after it is the real
 model, attending over all of the context's positions (the kernels' work does not depend on the values).
 Run: .venv/bin/pagedllm bench random-gguf /tmp/qwen35-9b-q4_0.gguf --shape qwen3.5-9b --type Q4_0
-     .venv/bin/python benchmarks/long_context_decode.py /tmp/qwen35-9b-q4_0.gguf --contexts 1024 32768"""
+     .venv/bin/python benchmarks/long_context_decode.py /tmp/qwen35-9b-q4_0.gguf --contexts 1024 32768
+--mask-isa "-mno-amx-tile -mno-amx-bf16 -mno-amx-int8" runs kernels built without this CPU's AMX (as a Zen 4's
+compiler builds them), so one host measures the paths of another CPU class."""
 
 import argparse
 import statistics
@@ -24,7 +26,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-cache-memory", default="1536MiB")
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--mask-isa", default="", help="compiler flags that mask instruction sets of this CPU")
     args = ap.parse_args()
+    if args.mask_isa:
+        from pagedllm.platforms import cpu
+
+        ops = cpu.build_ops(tuple(args.mask_isa.split()))
+        cpu.load_ops = lambda: ops  # every caller asks the platform module at call time
+        print(f"kernels built with {args.mask_isa}: linear_bf16 on {ops.linear_bf16_isa}", flush=True)
     longest = max(args.contexts) + args.output_len + 16
     llm = LLM(model=args.model, max_model_len=longest, kv_cache_memory=args.kv_cache_memory,
               kv_cache_dtype=args.kv_cache_dtype)

@@ -36,9 +36,15 @@
 // pool's rows as stored (no widening), 2-2.4x the widening path at 64 rows (docs/bench/attention_microbench.py:
 // 9/3 heads D 64 over 576 keys 974-980 -> 376-408 us a layer; one row 17.5-20.5 -> 9.2-14.7 us; Qwen3.5's and
 // Gemma 3's D 256, 16/4 heads, one row on a Zen 4: over 1k keys 549 -> 178 us, over 32k 13.7 -> 9.3 ms).
-// D 256 takes two query heads a pass with the V sum in halves of the head (their accumulators fill 16 registers).
-// Each tile prefetches the slot rows of the tile two ahead into L2 (sweep_tiles' ahead): 16/4 heads D 256, one
-// row over 32k keys in blocks scattered over the pool, alternated runs on a Zen 4: 8.4 / 10.6 -> 7.8 / 8.9 ms a layer.
+// D 256 takes two query heads a pass for the scores, and four for the V sum in quarters of the head (their
+// accumulators fill 16 registers; two heads by halves where G is not a multiple of 4). The scores go a q chunk
+// against the tile's KT keys at a time (KT independent sums, not one chain of dependent products a key), and the
+// V sum broadcasts each key pair's p from a bf16 copy of the row (one load, no scalar packing): 16/4 heads D 256,
+// one row over 32k scattered keys, alternated runs on the AMX Xeon with AMX masked (the Zen 4 build's path),
+// 12.1-15.6 -> 10.9-12.1 ms a layer; 32/8 D 128 eight rows over 2k 4.4 -> 3.5 ms; D 64 and 32 unchanged.
+// Each tile prefetches the slot rows of the tile two ahead into L2 (sweep_tiles' ahead), a KV head's share before
+// that head's products, so the prefetches interleave with them: 16/4 heads D 256, one row over 32k keys in blocks
+// scattered over the pool, alternated runs on a Zen 4: 8.4 / 10.6 -> 7.8 / 8.9 ms a layer.
 // On AMX-BF16 (Sapphire Rapids and later), a bf16 pool's rows over 128 keys or more with D of 128 or 256 run
 // attend_item_amx instead: both products on tiles (decode_amx.h), 1.1-1.3x the vdpbf16ps kernel; over 32k keys
 // (16/4 heads, D 256, one row) 11.0 -> 8.4 ms a layer, where a plain read of the pool takes 6.2 ms.
@@ -261,15 +267,19 @@ inline void sweep_tiles(const Item& it, int64_t KVH, int64_t G, int64_t BS, Row&
       const int64_t t = t0 + j;
       row(j, it.table[t / BS] * BS + t % BS);
     }
-    for (int64_t t = t0 + 2 * KT; t < std::min<int64_t>(t0 + 3 * KT, it.hi); ++t) ahead(it.table[t / BS] * BS + t % BS);
-    for (int64_t kh = 0; kh < KVH; ++kh)
+    int64_t next[KT];
+    int nn = 0;
+    for (int64_t t = t0 + 2 * KT; t < std::min<int64_t>(t0 + 3 * KT, it.hi); ++t) next[nn++] = it.table[t / BS] * BS + t % BS;
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int j = 0; j < nn; ++j) ahead(next[j], kh);
       for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += GB) group(t0, cnt, kh, h0);
+    }
   }
 }
 
 template <int KT, int GB, class Row, class Group>
 inline void sweep_tiles(const Item& it, int64_t KVH, int64_t G, int64_t BS, Row&& row, Group&& group) {
-  sweep_tiles<KT, GB>(it, KVH, G, BS, row, group, [](int64_t) {});
+  sweep_tiles<KT, GB>(it, KVH, G, BS, row, group, [](int64_t, int64_t) {});
 }
 
 // Every cache line of `bytes` from p into L2 (the next tile's slot rows: sweep_tiles' ahead)
@@ -309,7 +319,10 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
   auto sweep = [&](const Pool& P, auto&& group) {
     sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) {
       rows[j] = P.row<ND, TAIL>(slot, s.tile.data() + j * KVH * W);
-    }, group, [&](int64_t slot) { prefetch_row(P.row_at(slot), P.row_bytes()); });
+    }, group, [&](int64_t slot, int64_t kh) {
+      const int64_t hb = P.row_bytes() / P.kvh;
+      prefetch_row(static_cast<const char*>(P.row_at(slot)) + kh * hb, hb);
+    });
   };
   // pass 1: scores, KT keys of GB heads at a time, summed across lanes by the shuffle tree
   if (it.phase != 2) sweep(K, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
@@ -563,7 +576,7 @@ ItemFn pick_widened(int64_t) { return nullptr; }
 // are (pairs of d), and V by pairs of keys (rows j, j+1 interleaved by unpack: within each 128-bit lane,
 // unpacklo holds d 0-3 and unpackhi d 4-7 of that lane's 8, so the accumulators hold d in that order until the
 // end). The same math as attend_item's for this pool (products of bf16 values are exact in fp32).
-template <int NC, int GB>
+template <int NC, int GB, int GV = GB>
 void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Pool& V, int64_t BS, float scale,
                       Scratch& s) {
   constexpr int KT = NC <= 2 ? 16 : 8;
@@ -586,37 +599,55 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
   const uint16_t* vp = static_cast<const uint16_t*>(V.data);
   const uint16_t* rows[KT + 1];
   static const uint16_t zeros[256] = {};
-  auto sweep = [&](const uint16_t* pool, auto&& group) {
-    sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) { rows[j] = pool + slot * K.row_stride; }, group,
-                        [&](int64_t slot) { prefetch_row(pool + slot * K.row_stride, K.row_bytes()); });
-  };
-  if (it.phase != 2) sweep(kp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+  if (it.phase != 2)
+    sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) { rows[j] = kp + slot * K.row_stride; },
+                        [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     __m512bh qr[GB][NC];
     for (int g = 0; g < GB; ++g)
       for (int c = 0; c < NC; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
-    for (int g = 0; g < GB; ++g)
-      store16(sc + (h0 + g) * ld + (t0 - it.lo), tile_scores<KT>(cnt, [&](int j) {
-                const uint16_t* kr = rows[j] + kh * D;
-                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qr[g][0], (__m512bh)_mm512_loadu_si512(kr));
-                for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qr[g][c], (__m512bh)_mm512_loadu_si512(kr + 32 * c));
-                return (v16f)a;
-              }) * scale);
-  });
+    // a chunk of q against every key of the tile before the next chunk: KT independent sums in flight instead of
+    // one chain of NC dependent products a key (each key's products still summed in chunk order)
+    auto dots = [&](auto whole) {  // whole: a tile of KT keys (no per-key bound)
+      for (int g = 0; g < GB; ++g) {
+        v16f p[KT];
+        for (int j = 0; j < KT; ++j) p[j] = v16f{0};
+        for (int c = 0; c < NC; ++c)
+          for (int j = 0; j < KT; ++j)
+            if (whole || j < cnt)
+              p[j] = (v16f)_mm512_dpbf16_ps((__m512)p[j], qr[g][c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * D + 32 * c));
+        store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p) * scale);
+      }
+    };
+    if (cnt == KT) dots(std::true_type{});
+    else dots(std::false_type{});
+  }, [&](int64_t slot, int64_t kh) { prefetch_row(kp + slot * K.row_stride + kh * D, D * 2); });
   softmax_rows(it, sc, H, n, ld, true);
   if (it.phase == 1) return;
-  // the V sum in parts of the head dims where GB heads' accumulators would not fit 16 registers (D 256, 2 heads:
-  // two halves, each a pass over the tile's V rows, which are in L1 by then)
+  // p as bf16 in key order [H, ldp]: a key pair's two p are one 32-bit word, broadcast by the dot product's own load
+  // (already rounded: exact); ld is a multiple of 16, so a row's last 32 may hold only 16
+  const int64_t ldp = (ld + 31) / 32 * 32;
+  s.pairs.resize(H * ldp);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < ld; i += 32) {
+      const __m512 lo = _mm512_loadu_ps(sc + h * ld + i);
+      const __m512 hi = i + 16 < ld ? _mm512_loadu_ps(sc + h * ld + i + 16) : _mm512_setzero_ps();
+      _mm512_storeu_si512(s.pairs.data() + h * ldp + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  const uint16_t* pb = s.pairs.data();
+  // the V sum in parts of the head dims where GV heads' accumulators would not fit 16 registers (D 256, 4 heads:
+  // four parts, each a pass over the tile's V rows, which are in L1 by then)
   constexpr int SPLIT = [] {  // the fewest parts of whole 32-wide chunks whose accumulators fit
     for (int p = 1; p < NC; ++p)
-      if (NC % p == 0 && GB * ND / p <= 16) return p;
+      if (NC % p == 0 && GV * ND / p <= 16) return p;
     return NC;
   }();
   constexpr int NCS = NC / SPLIT;
-  sweep(vp, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
+  sweep_tiles<KT, GV>(it, KVH, G, BS, [&](int j, int64_t slot) { rows[j] = vp + slot * K.row_stride; },
+                      [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
     for (int part = 0; part < SPLIT; ++part) {
       const int c0 = part * NCS;
-      __m512 acc[GB][2 * NCS];
-      for (int g = 0; g < GB; ++g)
+      __m512 acc[GV][2 * NCS];
+      for (int g = 0; g < GV; ++g)
         for (int c = 0; c < 2 * NCS; ++c) acc[g][c] = _mm512_loadu_ps(acc_mem + (h0 + g) * D + 16 * (2 * c0 + c));
       for (int j = 0; j < cnt; j += 2) {
         const uint16_t* v0 = rows[j] + kh * D;
@@ -625,21 +656,19 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
           const int c = c0 + cc;
           const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
           const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-          for (int g = 0; g < GB; ++g) {
-            const float* pr = sc + (h0 + g) * ld + (t0 - it.lo) + j;
-            uint32_t b0, b1;
-            std::memcpy(&b0, pr, 4);
-            std::memcpy(&b1, pr + 1, 4);
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>((b0 >> 16) | (b1 & 0xffff0000u)));
+          for (int g = 0; g < GV; ++g) {
+            int32_t w;
+            std::memcpy(&w, pb + (h0 + g) * ldp + (t0 - it.lo) + j, 4);
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(w);
             acc[g][2 * cc] = _mm512_dpbf16_ps(acc[g][2 * cc], lo, pp);
             acc[g][2 * cc + 1] = _mm512_dpbf16_ps(acc[g][2 * cc + 1], hi, pp);
           }
         }
       }
-      for (int g = 0; g < GB; ++g)
+      for (int g = 0; g < GV; ++g)
         for (int c = 0; c < 2 * NCS; ++c) _mm512_storeu_ps(acc_mem + (h0 + g) * D + 16 * (2 * c0 + c), acc[g][c]);
     }
-  });
+  }, [&](int64_t slot, int64_t kh) { prefetch_row(vp + slot * K.row_stride + kh * D, D * 2); });
   for (int64_t h = 0; h < H; ++h)  // undo the unpack order: vector 2c + u, lane i -> d = 32c + 8 (i / 4) + 4u + i % 4
     for (int64_t c = 0; c < ND; ++c)
       for (int i = 0; i < 16; ++i)
@@ -649,7 +678,10 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
 template <int NC>
 ItemFn pick_bf16_group(int64_t G) {
   constexpr int ND = 2 * NC;
-  if (NC == 8 && G % 2 == 0) return attend_item_bf16<NC, 2>;  // D 256: q of two heads in 16 registers, V by halves
+  // D 256: q of two heads in 16 registers; V of four heads by quarters of the head (each V pair unpacked once for
+  // the four), else of two by halves (for D 128, four heads by halves measured no faster than two whole)
+  if (NC == 8 && G % 4 == 0) return attend_item_bf16<NC, 2, 4>;
+  if (NC == 8 && G % 2 == 0) return attend_item_bf16<NC, 2>;
   if (G % 4 == 0 && 4 * ND <= 16) return attend_item_bf16<NC, 4>;
   if (G % 3 == 0 && 3 * ND <= 16) return attend_item_bf16<NC, 3>;
   if (G % 2 == 0 && 2 * ND <= 16) return attend_item_bf16<NC, 2>;
