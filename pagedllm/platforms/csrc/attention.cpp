@@ -623,16 +623,11 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
   }, [&](int64_t slot, int64_t kh) { prefetch_row(kp + slot * K.row_stride + kh * D, D * 2); });
   softmax_rows(it, sc, H, n, ld, true);
   if (it.phase == 1) return;
-  // p as bf16 in key order [H, ldp]: a key pair's two p are one 32-bit word, broadcast by the dot product's own load
-  // (already rounded: exact); ld is a multiple of 16, so a row's last 32 may hold only 16
-  const int64_t ldp = (ld + 31) / 32 * 32;
-  s.pairs.resize(H * ldp);
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < ld; i += 32) {
-      const __m512 lo = _mm512_loadu_ps(sc + h * ld + i);
-      const __m512 hi = i + 16 < ld ? _mm512_loadu_ps(sc + h * ld + i + 16) : _mm512_setzero_ps();
-      _mm512_storeu_si512(s.pairs.data() + h * ldp + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+  // p as bf16 in key order [H, ld] (already rounded: exact): a key pair's two p are one 32-bit word, broadcast by a
+  // load
+  s.pairs.resize(H * ld);
+  for (int64_t i = 0; i < H * ld; i += 16)  // ld is a multiple of 16
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.pairs.data() + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sc + i)));
   const uint16_t* pb = s.pairs.data();
   // the V sum in parts of the head dims where GV heads' accumulators would not fit 16 registers (D 256, 4 heads:
   // four parts, each a pass over the tile's V rows, which are in L1 by then)
@@ -658,7 +653,7 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
           const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
           for (int g = 0; g < GV; ++g) {
             int32_t w;
-            std::memcpy(&w, pb + (h0 + g) * ldp + (t0 - it.lo) + j, 4);
+            std::memcpy(&w, pb + (h0 + g) * ld + (t0 - it.lo) + j, 4);
             const __m512bh pp = (__m512bh)_mm512_set1_epi32(w);
             acc[g][2 * cc] = _mm512_dpbf16_ps(acc[g][2 * cc], lo, pp);
             acc[g][2 * cc + 1] = _mm512_dpbf16_ps(acc[g][2 * cc + 1], hi, pp);
