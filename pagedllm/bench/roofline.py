@@ -193,6 +193,9 @@ def workload_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
 # SmolLM2-135M's linears (out, in) for one layer, repeated to 30 distinct layers: ~10x the L3 cache of these
 # hosts in bf16, so one row streams the weights from memory as decode does
 _LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+# an 8B-class layer's (Llama-3-8B: qkv, o, gate_up, down), 4 distinct layers (~470 MB in Q4_0, more than these
+# hosts' L3): SmolLM2's small matrices put per-call costs in the row; these show the integer dot's own rate
+_BIG_LAYER = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 FAR_BELOW = 0.25  # a kernel under this fraction of its ceiling is marked
 
 
@@ -238,6 +241,17 @@ def kernels_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
                 rate, ceiling, unit = flops_per_row * m / t, peak[dtype], "GFLOP/s"
             rows.append({"kernel": f"linear, {name}", "rows": m, "achieved": rate / 1e9, "ceiling": ceiling / 1e9,
                          "unit": unit, "fraction": rate / ceiling})
+        del ws
+    big = _BIG_LAYER * 4
+    for name in ("q4_0", "q8_0"):
+        fmt = FORMATS[name]
+        ws = [GGMLWeight(ops, [(torch.from_numpy(random_tensor(rng, o, k, name.upper(), fast=True)), fmt)], k)
+              for o, k in big]
+        xs = {k: torch.randn(1, k) for k in (4096, 14336)}
+        t = median_time(lambda ws=ws, xs=xs: [w.matmul(xs[k]) for w, (_, k) in zip(ws, big)], reps=5)
+        rate = sum(w.nbytes for w in ws) / t
+        rows.append({"kernel": f"linear, {name}, 8B layers", "rows": 1, "achieved": rate / 1e9,
+                     "ceiling": bw / 1e9, "unit": "GB/s", "fraction": rate / bw})
         del ws
     rows.append(_decode_attention_row(ops, bw))
     print(f"machine: {bw / 1e9:.1f} GB/s streaming read, {peak[torch.float32] / 1e9:.1f} GFLOP/s fp32 and "
