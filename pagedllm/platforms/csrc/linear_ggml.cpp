@@ -13,7 +13,7 @@
 // scale da (and the sums da * sum(q) per 16, for the formats' offsets); per weight chunk of 32 the
 // quants are unpacked once into a register and multiplied with up to 4 activation rows:
 //   sum_i w_i x_i ~= sum_chunks [ d * da * sum_i q_i qa_i ] + m * (da * sum_i qa_i)
-// Weights are streamed once per call; the work is split over output rows.
+// Weights are streamed once per call, prefetched ggml::kStreamAhead ahead; the work is split over output rows.
 // Prefill-sized batches: weights dequantized to bf16 (ggml's fp32 values, rounded once) a group of
 // rows at a time into a thread-local buffer, then multiplied with all of x rounded to bf16, so the
 // quantized weights cost their dequantization once per call, not once per row of x: 48-row panels
@@ -119,6 +119,8 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, c
       const uint8_t* blk = row + b * F::BYTES;
       for (int c = 0; c < CPB; ++c) {
         const int64_t g = b * CPB + c;
+        // a chunk's share of its block, kStreamAhead on (rows are contiguous: past a row's end, the next row's)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + c * F::BYTES / CPB + ggml::kStreamAhead), _MM_HINT_T0);
         float d[2], m[2];
         F::scales(blk, c, d, m);
 #if defined(__AVX2__)
@@ -184,6 +186,8 @@ void dot_rows512(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi
       const uint8_t* b0 = row + (g / CPB) * F::BYTES;
       const uint8_t* b1 = row + ((g + 1) / CPB) * F::BYTES;
       const int c0 = static_cast<int>(g % CPB), c1 = static_cast<int>((g + 1) % CPB);
+      _mm_prefetch(reinterpret_cast<const char*>(b0 + c0 * F::BYTES / CPB + ggml::kStreamAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b1 + c1 * F::BYTES / CPB + ggml::kStreamAhead), _MM_HINT_T0);
       alignas(16) float d[4], m[4];  // half-chunks: g first, g second, g + 1 first, g + 1 second
       F::scales(b0, c0, d, m);
       F::scales(b1, c1, d + 2, m + 2);

@@ -239,13 +239,6 @@ torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows,
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 namespace {
 
-// How far ahead of the chunk in hand its weights are prefetched. A group's chunks are contiguous and a thread's
-// groups follow each other, so the weights stream; but the L2 streamer stops at each 4 KiB page, and the chunk's
-// math then waits on the page's first lines: without the prefetch a decode row ran at the rate of memory and
-// math one after the other (14-17 GB/s on an AMX Xeon that reads 23 GB/s and computes 40 GB/s in cache). 1-2 KiB
-// ahead measured best there (24 Qwen3-30B-A3B-shaped decode layers, alternated builds: 50.9 -> 45.7 ms; 3 KiB
-// ahead: slower than 2; into L3 only (NTA): slower than none; the whole model decoding: +3.6%).
-constexpr int64_t kAhead = 2048;
 
 // T activation rows t0 .. t0 + T - 1 against the groups [g_lo, g_hi). Each 32-bit lane holds two
 // int16 weights of its row (the even and the odd bytes of a 4-byte group, split by a mask and a
@@ -262,9 +255,9 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
     __m512 acc[T], off[T];
     for (int t = 0; t < T; ++t) acc[t] = off[t] = _mm512_setzero_ps();
-    const uint8_t* ahead = wp + grp * nch * CB + kAhead;
+    const uint8_t* ahead = wp + grp * nch * CB + ggml::kStreamAhead;
     for (int64_t g = 0; g < nch; ++g) {
-      // the bytes kAhead past this chunk's, one line at a time: see kAhead
+      // the bytes kStreamAhead past this chunk's, one line at a time (ggml_blocks.h)
       for (int64_t l = g * CB; l < (g + 1) * CB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + l), _MM_HINT_T0);
       const uint8_t* c;
       __m512 dv, mv = _mm512_setzero_ps(), dv_hi = _mm512_setzero_ps();
