@@ -155,20 +155,27 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
 @pytest.mark.slow
 def test_fallback_isa_paths(ops_avx2) -> None:
     """What a CPU without AVX-512 compiles (Zen 3: AVX2), built here by masking this CPU's flags: the
-    file layout only (nothing repacked), the same references as above. (The scalar path, for CPUs
-    without AVX2, builds with -mno-avx2 too; measured once, not run every time: 1 minute.)"""
+    file layout only (nothing repacked), the same references as above. Steps of decodes alone take the
+    one-row dot under 16 rows and the tiled dot (int8 activations too) under 64; prompt rows and larger
+    steps the bf16 panels. (The scalar path, for CPUs without AVX2, builds with -mno-avx2 too; measured
+    once, not run every time: 1 minute.)"""
     mod = ops_avx2
     assert mod.linear_ggml_isa == "avx2" and not mod.ggml_repacks(int(T.Q4_0))
     k = 512
     for t in (T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4):
-        raw = random_blocks(t, 40, k, seed=int(t))
-        w = torch.from_numpy(dequantize(raw, t).reshape(40, k)).double()
-        assert torch.equal(mod.dequantize_ggml(torch.from_numpy(raw), int(t), k, 40, None), w.float())
-        for m in (3, 20):
+        raw = random_blocks(t, 41, k, seed=int(t))  # an odd row count: the tiles' last weight row is alone
+        w = torch.from_numpy(dequantize(raw, t).reshape(41, k)).double()
+        assert torch.equal(mod.dequantize_ggml(torch.from_numpy(raw), int(t), k, 41, None), w.float())
+        for m, decode_rows in [(3, -1), (22, -1), (22, 0), (70, -1)]:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            y = mod.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [40], None, 40).double()
-            ref = quantized_activations(x) @ w.T if m < 16 else x.bfloat16().double() @ w.bfloat16().double().T
+            y = mod.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [41], None, 41, decode_rows).double()
+            int8 = m < 64 and decode_rows != 0
+            ref = quantized_activations(x) @ w.T if int8 else x.bfloat16().double() @ w.bfloat16().double().T
             torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        # a tile's lanes do not mix: the same decode rows give the same bits in a step of 22 or of 17
+        x = torch.randn(22, k, generator=torch.Generator().manual_seed(22))
+        tiles = [mod.linear_ggml(x[:n], [torch.from_numpy(raw)], [int(t)], [41], None, 41, n) for n in (22, 17)]
+        assert torch.equal(tiles[0][:17], tiles[1])
 
 
 @pytest.mark.parametrize("t", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)

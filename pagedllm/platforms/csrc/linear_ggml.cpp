@@ -8,6 +8,8 @@
 // takes the integer dot while it has fewer than kDotRowsMax rows. So a prompt's last row is computed
 // the same way whether its prefix came from the cache (a few rows left) or not (the whole prompt).
 // decode_rows = -1 (a caller that does not know): by M alone.
+// Steps of decodes alone of kDotRowsMax .. kTiledRowsMax rows on 256-bit integer dots (AVX2, AVX-VNNI): the same
+// int8 activations in tiles of two weight rows by four rows of x (dot_tiles), else the bf16 panels.
 // Decode-sized batches (M < kDotRowsMax): the integer dot product, the way ggml pairs each type
 // with an int8 `vec_dot_type`. Each activation row is quantized per 32 values to int8 with an fp32
 // scale da (and the sums da * sum(q) per 16, for the formats' offsets); per weight chunk of 32 the
@@ -41,6 +43,9 @@ namespace {
 
 // rows of x below which the integer dot runs, else bf16 panels; measured with docs/bench/ggml_microbench.py
 constexpr int64_t kDotRowsMax = 16;  // both layouts (repacked groups: at 64 rows the panels win for K = 4096)
+// steps of decodes alone below this take dot_tiles where it is built (AVX2 / AVX-VNNI 256-bit): 1.2-1.8x the
+// panels at 16-64 rows, a tie at 256 (docs/benchmarks.md)
+constexpr int64_t kTiledRowsMax = 64;
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -65,29 +70,65 @@ struct QAct {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<float> dl;  // d repeated over the 8 int32 lanes of its chunk: [M, K / 32, 8] (AVX-512 path)
+  // the tiled AVX2 kernel's view: per group of 4 rows and chunk, the 4 rows' d, s of weights 0-15, s of 16-31
+  // [ceil(M / 4), K / 32, 3, 4], zero past M
+  std::vector<float> t4;
 };
 
-QAct quantize_rows(const float* x, int64_t M, int64_t K) {
+inline float* tile_scales(QAct& a, int64_t M) {
+  a.t4.assign(((M + 3) / 4) * a.nch * 12, 0.f);
+  return a.t4.data();
+}
+
+// q = round(x * id) (to nearest even, as nearbyint), and the sums of q over values 0-15 and 16-31
+inline void quantize32(const float* xs, float id, int8_t* q, int* s0, int* s1) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_set1_ps(id);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xs + 8 * i), v));
+  // packs work within 128-bit lanes: [r0 lo, r1 lo, r2 lo, r3 lo | r0 hi, ...] in 4-byte groups; the permute restores order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int h[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+  *s0 = h[0] + h[1] + h[4] + h[5];
+  *s1 = h[2] + h[3] + h[6] + h[7];
+#else
+  *s0 = *s1 = 0;
+  for (int i = 0; i < 32; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * id));
+    (i < 16 ? *s0 : *s1) += q[i];
+  }
+#endif
+}
+
+QAct quantize_rows(const float* x, int64_t M, int64_t K, bool tiled = false) {
   QAct a{K, K / 32, std::vector<int8_t>(M * K), std::vector<float>(M * (K / 32)), std::vector<float>(M * (K / 16)),
-         std::vector<float>(M * (K / 32) * 8)};
+         std::vector<float>(tiled ? 0 : M * (K / 32) * 8)};
   at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
         const float* xs = x + m * K + 32 * g;
         float id;
         const float d = ggml::block_scale(xs, 127.f, &id);
-        int8_t* q = a.q.data() + m * K + 32 * g;
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; ++i) {
-          q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * id));
-          (i < 16 ? s0 : s1) += q[i];
-        }
+        int s0, s1;
+        quantize32(xs, id, a.q.data() + m * K + 32 * g, &s0, &s1);
         a.d[m * a.nch + g] = d;
-        std::fill_n(a.dl.data() + (m * a.nch + g) * 8, 8, d);
+        if (!tiled) std::fill_n(a.dl.data() + (m * a.nch + g) * 8, 8, d);
         a.s[(m * a.nch + g) * 2] = d * static_cast<float>(s0);
         a.s[(m * a.nch + g) * 2 + 1] = d * static_cast<float>(s1);
       }
   });
+  if (tiled) {
+    float* t4 = tile_scales(a, M);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < a.nch; ++g) {
+        float* c = t4 + ((m / 4) * a.nch + g) * 12 + m % 4;
+        c[0] = a.d[m * a.nch + g];
+        c[4] = a.s[(m * a.nch + g) * 2];
+        c[8] = a.s[(m * a.nch + g) * 2 + 1];
+      }
+  }
   return a;
 }
 
@@ -163,6 +204,89 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, c
     }
   }
 }
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#define PAGEDLLM_TILED_DOT 1
+// Every row of a prompt-sized x on 256-bit integer dots (AVX2's maddubs, or AVX-VNNI): two weight rows against
+// a group of 4 activation rows, each 32-bit lane of the accumulator one (weight row, activation row) pair:
+// lanes 0-3 row n with activation rows 4j .. 4j + 3, lanes 4-7 row n + 1. Per chunk, each pair's 8 int32
+// partial dots are summed by horizontal adds (exact) into its lane, so a chunk costs one convert and one fma
+// per 8 pairs instead of per pair, and the scales d * da come as one product of two vectors (a.t4 holds the
+// 4 rows' da side by side). Used for steps of decodes alone of kDotRowsMax .. kTiledRowsMax rows, where it
+// beats both the one-row dot and the bf16 panels (widened to fp32 here); prompt rows keep the panels, whose bf16
+// rounding of x is twice as accurate as int8 per 32. Past ~64 rows the panels tie it on an AMX Xeon: the hadd
+// trees and broadcasts are shuffles, one port's work there; a layout with a weight row per lane (as the
+// repacked AVX-512 dot has) is what would go past that.
+template <class F>
+void dot_tiles(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, const QAct& a, int64_t M,
+               const float* bias, float* y, int64_t O) {
+  constexpr int CPB = F::QK / 32;
+  const int64_t nb = a.K / F::QK, K = a.K, nch = a.nch;
+  const __m256i zero = _mm256_setzero_si256();
+  constexpr int64_t JB = 16;  // activation groups a pass: 64 rows of x stay in L2 while each pair of weight rows sweeps them
+  const int64_t groups = (M + 3) / 4;
+  for (int64_t j0 = 0; j0 < groups; j0 += JB)
+  for (int64_t n = n_lo; n < n_hi; n += 2)
+  for (int64_t j = j0; j < std::min(groups, j0 + JB); ++j) {
+    const int T = static_cast<int>(std::min<int64_t>(4, M - 4 * j));
+    const float* t4 = a.t4.data() + j * nch * 12;
+    {
+      const bool two = n + 1 < n_hi;
+      const uint8_t* r0 = w + n * row_bytes;
+      const uint8_t* r1 = two ? r0 + row_bytes : r0;
+      __m256 acc = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int c = 0; c < CPB; ++c) {
+          const int64_t g = b * CPB + c;
+          const uint8_t* b0 = r0 + b * F::BYTES;
+          const uint8_t* b1 = r1 + b * F::BYTES;
+          float d0[2], m0[2], d1[2], m1[2];
+          F::scales(b0, c, d0, m0);
+          F::scales(b1, c, d1, m1);
+          const __m256i q0 = F::quants256(b0, c), q1 = F::quants256(b1, c);
+          const __m256i u0 = F::kSigned ? _mm256_sign_epi8(q0, q0) : q0, u1 = F::kSigned ? _mm256_sign_epi8(q1, q1) : q1;
+          __m256i p0[4], p1[4];  // [activation row]: int32 partial dots, lanes 0-3 weights 0-15, 4-7 16-31
+          for (int t = 0; t < 4; ++t) {
+            if (t >= T) {
+              p0[t] = p1[t] = zero;
+              continue;
+            }
+            const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (4 * j + t) * K + 32 * g));
+            p0[t] = dot_u8s8(u0, F::kSigned ? _mm256_sign_epi8(av, q0) : av);
+            p1[t] = dot_u8s8(u1, F::kSigned ? _mm256_sign_epi8(av, q1) : av);
+          }
+          // x: lane t = row 0's sum over weights 0-15 with activation row t, lane 4 + t over 16-31
+          const __m256i x0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p0[0], p0[1]), _mm256_hadd_epi32(p0[2], p0[3]));
+          const __m256i x1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p1[0], p1[1]), _mm256_hadd_epi32(p1[2], p1[3]));
+          const __m256i lo = _mm256_permute2x128_si256(x0, x1, 0x20), hi = _mm256_permute2x128_si256(x0, x1, 0x31);
+          const __m256 da = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(t4 + g * 12));
+          if constexpr (F::kSplit) {
+            const __m256 s_lo = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(d1[0]), _mm_set1_ps(d0[0])), da);
+            const __m256 s_hi = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(d1[1]), _mm_set1_ps(d0[1])), da);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s_lo, acc);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s_hi, acc);
+          } else {
+            const __m256 sc = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(d1[0]), _mm_set1_ps(d0[0])), da);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), sc, acc);
+          }
+          if constexpr (!F::kSigned) {  // offsets m * da * sum(qa) per half
+            const __m256 sa = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(t4 + g * 12 + 4));
+            const __m256 sb = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(t4 + g * 12 + 8));
+            off = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(m1[0]), _mm_set1_ps(m0[0])), sa, off);
+            off = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(m1[1]), _mm_set1_ps(m0[1])), sb, off);
+          }
+        }
+      }
+      alignas(32) float r[8];
+      _mm256_store_ps(r, _mm256_add_ps(acc, off));
+      for (int t = 0; t < T; ++t) {
+        y[(4 * j + t) * O + n] = r[t] + (bias ? bias[n] : 0.f);
+        if (two) y[(4 * j + t) * O + n + 1] = r[4 + t] + (bias ? bias[n + 1] : 0.f);
+      }
+    }
+  }
+}
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The same on 512-bit vectors, two chunks (64 weights) per step: quants made unsigned (Q8_0: q + 128
@@ -420,6 +544,14 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, con
   float* yc = y + col0;
   const float* bc = bias ? bias + col0 : nullptr;
   if (a != nullptr) {
+#if PAGEDLLM_TILED_DOT
+    if (!a->t4.empty()) {  // weight rows in pairs (2i, 2i + 1), whatever the threads' split
+      at::parallel_for(0, (rows + 1) / 2, 8, [&](int64_t lo, int64_t hi) {
+        dot_tiles<F>(wp, row_bytes, 2 * lo, std::min(rows, 2 * hi), *a, M, bc, yc, O);
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
       int64_t t = 0;
       for (; t + 4 <= M; t += 4) dot_rows_best<F, 4>(wp, row_bytes, lo, hi, *a, t, bc, yc, O);
@@ -496,7 +628,7 @@ namespace {
 
 torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                              const std::vector<int64_t>& rows, const c10::optional<torch::Tensor>& bias, int64_t O,
-                             bool dot) {
+                             bool dot, bool tiles = false) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == rows.size() && !ws.empty(),
               "linear_ggml: one type and row count per weight part");
@@ -521,10 +653,16 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
   bf16::Pairs xb;
   bool any_plain = false, any_x16 = false;
   for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
-  if (K % 32 == 0 && dot && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K);
+#if PAGEDLLM_TILED_DOT
+  const bool tiled = tiles && !dot && K % 32 == 0 && !any_x16;  // every plain part then runs on dot_tiles
+#else
+  const bool tiled = false;
+  (void)tiles;
+#endif
+  if (K % 32 == 0 && (dot || tiled) && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K, tiled);
   X16Act a16;
   if (K % 32 == 0 && dot && any_x16) a16 = x16_quantize(x.data_ptr<float>(), M, K);
-  if (!dot) xb = bf16::pairs(x.data_ptr<float>(), M, K);
+  if (!dot && !tiled) xb = bf16::pairs(x.data_ptr<float>(), M, K);
   int64_t col0 = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     if (types[i] >= kX16) {
@@ -541,7 +679,7 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
       }
     } else {
       dispatch(types[i], [&](auto f) {
-        linear_part<decltype(f)>(dot ? &a : nullptr, &xb, M, K, ws[i], b, yp, O, col0);
+        linear_part<decltype(f)>(dot || tiled ? &a : nullptr, &xb, M, K, ws[i], b, yp, O, col0);
         return 0;
       });
     }
@@ -556,8 +694,9 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
                           std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O,
                           int64_t decode_rows) {
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
-  const bool dot = M < kDotRowsMax && (decode_rows < 0 || decode_rows >= M) && x.size(-1) % 32 == 0;
-  return linear_ggml_on(x, ws, types, rows, bias, O, dot);
+  const bool decodes = decode_rows < 0 || decode_rows >= M;
+  const bool dot = M < kDotRowsMax && decodes && x.size(-1) % 32 == 0;
+  return linear_ggml_on(x, ws, types, rows, bias, O, dot, decodes && M < kTiledRowsMax);
 }
 
 torch::Tensor linear_ggml_dot(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
