@@ -44,7 +44,7 @@ namespace {
 // rows of x below which the integer dot runs, else bf16 panels; measured with docs/bench/ggml_microbench.py
 constexpr int64_t kDotRowsMax = 16;  // both layouts (repacked groups: at 64 rows the panels win for K = 4096)
 // steps of decodes alone below this take dot_tiles where it is built (AVX2 / AVX-VNNI 256-bit): 1.2-1.8x the
-// panels at 16-64 rows, a tie at 256 (docs/benchmarks.md)
+// panels at 16-64 rows on an AMX Xeon with AVX-512 masked, 1.0-1.3x at 256-512 (docs/benchmarks.md)
 constexpr int64_t kTiledRowsMax = 64;
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
