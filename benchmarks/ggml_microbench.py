@@ -2,6 +2,9 @@
 our bf16 packed kernel vs the ggml block formats executed in place (csrc/linear_ggml.cpp), median of 7.
 K-quants: the 576-wide rows fall back to Q8_0 (as llama.cpp's quantizer does). The crossover between
 the integer dot and the dequantize-to-bf16 path is linear_ggml.cpp's kDotRowsMax.
+Each format is timed as a step of decodes (decode_rows = M) and as prompt rows (decode_rows = 0), which choose
+different paths on some CPUs. MASK_ISA="-mno-avx512f -mno-avxvnni -mno-amx-tile" runs the kernels as a CPU without
+those instruction sets compiles them (e.g. an AVX2-only Zen 3's), on this one.
 Run: .venv/bin/python benchmarks/ggml_microbench.py [FORMAT ...] (correctness: tests/test_linear_ggml.py)."""
 
 import os
@@ -15,11 +18,11 @@ from gguf.constants import GGML_QUANT_SIZES
 from pagedllm.bench.common import median_time
 from pagedllm.bench.random_gguf import random_tensor
 from pagedllm.model_executor.layers.formats import FORMATS
-from pagedllm.platforms.cpu import load_ops
 from pagedllm.model_executor.layers.weight_formats import GGMLWeight
+from pagedllm.platforms.cpu import build_ops, load_ops
 
 torch.set_num_threads(2)
-ops = load_ops()
+ops = build_ops(tuple(os.environ["MASK_ISA"].split())) if os.environ.get("MASK_ISA") else load_ops()
 print("integer dot ISA path:", ops.linear_ggml_isa, "| bf16:", ops.linear_bf16_isa)
 H, FF, Q, KV = 576, 1536, 576, 192
 shapes = [(Q + 2 * KV, H), (H, Q), (2 * FF, H), (H, FF)]  # (out, in), one layer; repeated 30 times
@@ -44,6 +47,7 @@ for m in [int(v) for v in os.environ.get("ROWS", "1,2,4,8,12,15,16,24,32,64,256,
     t16 = median_time(lambda xs=xs: [ops.linear_bf16(xs[k], w, None, o) for w, (o, k) in zip(p16, shapes)])
     row = f"M={m:4}: bf16 {t16 * 1e3:7.2f} ms ({flops_per_row * m / t16 / 1e9:4.0f} GFLOP/s)"
     for t, ws in quant.items():
-        tq = median_time(lambda xs=xs, ws=ws: [w.matmul(xs[k]) for w, (o, k) in zip(ws, shapes)])
-        row += f"  {t.name} {tq * 1e3:7.2f} ms ({flops_per_row * m / tq / 1e9:4.0f})"
+        for label, rows in (("decodes", m), ("prompt", 0)):
+            tq = median_time(lambda xs=xs, ws=ws, rows=rows: [w.matmul(xs[k], rows) for w, (o, k) in zip(ws, shapes)])
+            row += f"  {t.name} {label} {tq * 1e3:7.2f} ms ({flops_per_row * m / tq / 1e9:4.0f})"
     print(row, flush=True)
