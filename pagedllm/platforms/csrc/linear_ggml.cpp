@@ -207,8 +207,8 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, c
 
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #define PAGEDLLM_TILED_DOT 1
-// Every row of a prompt-sized x on 256-bit integer dots (AVX2's maddubs, or AVX-VNNI): two weight rows against
-// a group of 4 activation rows, each 32-bit lane of the accumulator one (weight row, activation row) pair:
+// Rows of x on 256-bit integer dots (AVX2's maddubs, or AVX-VNNI), in tiles: two weight rows against a group
+// of 4 activation rows, each 32-bit lane of the accumulator one (weight row, activation row) pair:
 // lanes 0-3 row n with activation rows 4j .. 4j + 3, lanes 4-7 row n + 1. Per chunk, each pair's 8 int32
 // partial dots are summed by horizontal adds (exact) into its lane, so a chunk costs one convert and one fma
 // per 8 pairs instead of per pair, and the scales d * da come as one product of two vectors (a.t4 holds the
@@ -223,14 +223,10 @@ void dot_tiles(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, 
   constexpr int CPB = F::QK / 32;
   const int64_t nb = a.K / F::QK, K = a.K, nch = a.nch;
   const __m256i zero = _mm256_setzero_si256();
-  constexpr int64_t JB = 16;  // activation groups a pass: 64 rows of x stay in L2 while each pair of weight rows sweeps them
-  const int64_t groups = (M + 3) / 4;
-  for (int64_t j0 = 0; j0 < groups; j0 += JB)
-  for (int64_t n = n_lo; n < n_hi; n += 2)
-  for (int64_t j = j0; j < std::min(groups, j0 + JB); ++j) {
-    const int T = static_cast<int>(std::min<int64_t>(4, M - 4 * j));
-    const float* t4 = a.t4.data() + j * nch * 12;
-    {
+  for (int64_t n = n_lo; n < n_hi; n += 2) {  // x (under kTiledRowsMax rows) stays in L2 while a pair sweeps it
+    for (int64_t j = 0; j < (M + 3) / 4; ++j) {
+      const int T = static_cast<int>(std::min<int64_t>(4, M - 4 * j));
+      const float* t4 = a.t4.data() + j * nch * 12;
       const bool two = n + 1 < n_hi;
       const uint8_t* r0 = w + n * row_bytes;
       const uint8_t* r1 = two ? r0 + row_bytes : r0;
