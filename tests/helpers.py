@@ -145,6 +145,7 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     config): the architecture's own keys and tensors, written over the shared ones. transform(tensors, config): the
     values llama.cpp's converter writes in place of HF's (numpy arrays by HF name, changed in place)."""
     import json
+    import math
     from pathlib import Path
 
     import numpy as np
@@ -174,6 +175,15 @@ def write_gguf_from_folder(folder, path, arch: str, names, quant: str | None = N
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":  # per-pair divisors of the frequencies, as llama.cpp's converter writes
+        d = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        lo, hi, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+        factors = []
+        for i in range(d // 2):
+            wavelen = 2 * math.pi * rope["rope_theta"] ** (2 * i / d)
+            smooth = min(max((old / wavelen - lo) / (hi - lo), 0.0), 1.0)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     if rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -267,6 +277,26 @@ def gemma4_gguf_keys(w, c: dict) -> None:
     pairs = d_full // 2
     rotated = int(pairs * rope["full_attention"]["partial_rotary_factor"])
     w.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (pairs - rotated), dtype=np.float32))
+
+
+def phi3_gguf_keys(w, c: dict) -> None:
+    """A `phi3` file's own keys, as llama.cpp's converter writes them: the padding token, and LongRoPE (Phi-4-mini)
+    as the rotary dims, the original context and the attention factor in metadata, its factors as tensors."""
+    import math
+
+    import numpy as np
+
+    if c.get("pad_token_id") is not None:
+        w.add_pad_token_id(c["pad_token_id"])
+    rope = c.get("rope_parameters") or {}
+    if "long_factor" not in rope:
+        return
+    w.add_rope_dimension_count(int(c["hidden_size"] // c["num_attention_heads"] * rope["partial_rotary_factor"]))
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    scale = c["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def qwen35_gguf_keys(w, c: dict) -> None:

@@ -12,6 +12,7 @@ from conftest import make_tiny_model
 from helpers import (
     gemma4_gguf_keys,
     hf_greedy,
+    phi3_gguf_keys,
     qwen35_converter_values,
     qwen35_gguf_keys,
     renamed_weights,
@@ -128,6 +129,35 @@ def test_qwen3_from_a_gguf_of_its_own_names_generates_what_hf_does(tiny_models, 
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 16)
 
 
+def test_llama3_rope_from_a_gguf_reads_its_per_pair_divisors(tiny_models, tmp_path) -> None:
+    """Llama 3.1+ files carry their rope scaling only as `rope_freqs` (a divisor per rotary pair): read back as HF's
+    llama3 parameters, they give HF's tokens over a prompt past the original context (ignored, they would not)."""
+    import math
+
+    from pagedllm.model_executor.layers.rotary import llama3_scaling_from_factors
+
+    folder, hf = tiny_models["llama3-rope"]
+    path = tmp_path / "llama3.gguf"
+    write_gguf_from_folder(folder, path, "llama", LlamaForCausalLM.WEIGHTS)
+    llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.runner.model.cfg.rope_scaling["rope_type"] == "llama3"
+    prompt = [(5 * j + 3) % hf.config.vocab_size for j in range(100)]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 16)
+    # Llama-3.1-8B's divisors as the converter computes them give back its parameters
+    factors = []
+    for i in range(64):
+        wavelen = 2 * math.pi * 500000.0 ** (2 * i / 128)
+        smooth = min(max((8192 / wavelen - 1.0) / (4.0 - 1.0), 0.0), 1.0)
+        factors.append(1 / ((1 - smooth) / 8.0 + smooth))
+    got = llama3_scaling_from_factors(factors, 128, 500000.0)
+    assert got["factor"] == 8.0 and got["original_max_position_embeddings"] == 8192
+    assert abs(got["low_freq_factor"] - 1.0) < 1e-9 and abs(got["high_freq_factor"] - 4.0) < 1e-9
+    assert llama3_scaling_from_factors([1.0] * 64, 128, 500000.0) is None
+    with pytest.raises(ModelLoadError, match="not llama3"):
+        llama3_scaling_from_factors([1.0, 3.0, 1.5, 8.0], 8, 10000.0)
+
+
 def test_phi3_stacked_tensors_from_a_gguf_generate_what_hf_does(tiny_models, tmp_path) -> None:
     """Phi-3's fused attn_qkv and ffn_up (gate then up) read as stacked pieces by the generic GGUF loader."""
     from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
@@ -163,25 +193,13 @@ def test_longrope_from_a_gguf_reads_its_rope_factor_tensors(tiny_models, tmp_pat
     """A Phi-4-mini GGUF as llama.cpp's converter writes it: the rotary dims, the original context and the attention
     factor as metadata, the long and short factors as tensors. Short factors by default, long ones past the
     original context, each giving HF's greedy tokens."""
-    import math
-
-    import numpy as np
-
     from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
 
     _, hf = tiny_models["phi4-mini"]
-    c, rope = hf.config, hf.config.rope_parameters
-
-    def longrope(w) -> None:
-        w.add_rope_dimension_count(int(c.hidden_size // c.num_attention_heads * rope["partial_rotary_factor"]))
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        scale = c.max_position_embeddings / rope["original_max_position_embeddings"]
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
-        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    c = hf.config
 
     path = tmp_path / "phi4-mini.gguf"
-    write_gguf_from_hf(hf, path, "phi3", Phi3ForCausalLM.WEIGHTS, extra=longrope)
+    write_gguf_from_hf(hf, path, "phi3", Phi3ForCausalLM.WEIGHTS, extra=lambda w: phi3_gguf_keys(w, c.to_dict()))
     short = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
     assert short.engine.runner.model.cfg.max_position_embeddings == 512
     prompt = [(5 * j + 2) % c.vocab_size for j in range(40)]
@@ -195,28 +213,15 @@ def test_longrope_from_a_gguf_reads_its_rope_factor_tensors(tiny_models, tmp_pat
 def test_a_quantized_phi4_mini_gguf_runs_its_partial_rotary_heads_in_their_blocks(tiny_models, tmp_path) -> None:
     """Phi-4-mini rotates 3/4 of each head: its q/k rows are read from attn_qkv in the order the kernels rotate
     (whole rows of blocks, so Q8_0 stays in its blocks): F32 gives HF's tokens, Q8_0 tracks the file dequantized."""
-    import math
-
-    import numpy as np
-
     from pagedllm.model_executor.layers.weight_formats import GGMLWeight
     from pagedllm.model_executor.models.phi3 import Phi3ForCausalLM
     from pagedllm.tools.evaluate import compare_to_reference
 
     folder, hf = tiny_models["phi4-mini"]
 
-    def keys(w, c: dict) -> None:
-        rope = c["rope_parameters"]
-        w.add_rope_dimension_count(int(c["hidden_size"] // c["num_attention_heads"] * rope["partial_rotary_factor"]))
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        scale = c["max_position_embeddings"] / rope["original_max_position_embeddings"]
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(rope["original_max_position_embeddings"])))
-        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
-        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-
     f32, q8 = tmp_path / "f32.gguf", tmp_path / "q8.gguf"
-    write_gguf_from_folder(folder, f32, "phi3", Phi3ForCausalLM.WEIGHTS, meta=keys)
-    write_gguf_from_folder(folder, q8, "phi3", Phi3ForCausalLM.WEIGHTS, quant="q8_0", meta=keys)
+    write_gguf_from_folder(folder, f32, "phi3", Phi3ForCausalLM.WEIGHTS, meta=phi3_gguf_keys)
+    write_gguf_from_folder(folder, q8, "phi3", Phi3ForCausalLM.WEIGHTS, quant="q8_0", meta=phi3_gguf_keys)
     prompt = [(5 * j + 2) % hf.config.vocab_size for j in range(40)]
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = LLM(model=str(f32), dtype="float32", num_kv_blocks=64).generate([{"prompt_token_ids": prompt}], sp)

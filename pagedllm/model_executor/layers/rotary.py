@@ -83,6 +83,40 @@ def partial_rotary_rows(head_dim: int, rot: int, heads: int, stride: int, n: int
     return np.concatenate([h * stride + head for h in range(heads)] + [np.arange(heads * stride, n)])
 
 
+def llama3_scaling_from_factors(factors: list[float], rot_dim: int, theta: float,
+                                original_context: int = 8192) -> dict | None:
+    """The llama3 rope scaling that llama.cpp's converter stores as per-pair divisors of the frequencies (a GGUF's
+    `rope_freqs`: 1 for the fast pairs, the factor for the slow ones, a ramp between), as HF's config states it;
+    None where every divisor is 1. The ramp is linear in 1 / wavelength, so two of its pairs fix it, and any original
+    context gives the same frequencies with the matching low / high frequency factors: `original_context` is kept.
+    Raises ModelLoadError where the divisors are not of that form (checked pair by pair against what it gives)."""
+    n = rot_dim // 2
+    if len(factors) != n:
+        raise ModelLoadError(f"rope_freqs holds {len(factors)} values for {n} rotary pairs")
+    factor = max(factors)
+    if factor == 1.0:
+        return None
+    x = [theta ** (-2 * i / rot_dim) / (2 * math.pi) for i in range(n)]  # 1 / wavelength of each pair
+    # on the ramp: 1 / f = (1 - s) / factor + s, with s = (orig / wavelength - low) / (high - low), linear in x
+    ramp = [(xi, (1 / f - 1 / factor) / (1 - 1 / factor)) for xi, f in zip(x, factors) if 1.0 < f < factor]
+    if len(ramp) >= 2:
+        (x0, s0), (x1, s1) = ramp[0], ramp[-1]
+        slope = (s1 - s0) / (x1 - x0)
+        x_low, x_high = x0 - s0 / slope, x0 + (1 - s0) / slope  # where s is 0 and 1
+    else:  # no ramp pairs to fit: its ends between the last slow pair and the first fast one
+        slow = max(xi for xi, f in zip(x, factors) if f == factor)
+        fast = min(xi for xi, f in zip(x, factors) if f == 1.0)
+        x_low, x_high = slow + (fast - slow) / 3, slow + 2 * (fast - slow) / 3
+    out = {"rope_type": "llama3", "factor": factor, "low_freq_factor": x_low * original_context,
+           "high_freq_factor": x_high * original_context, "original_max_position_embeddings": original_context}
+    for xi, f in zip(x, factors):
+        s = min(max((xi - x_low) / (x_high - x_low), 0.0), 1.0)
+        if abs(1 / ((1 - s) / factor + s) - f) > 1e-4 * f:
+            raise ModelLoadError(f"rope_freqs {factors} are not llama3 rope scaling's (pair {x.index(xi)}: {f}); "
+                                 "other per-pair rope factors are not supported")
+    return out
+
+
 def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     d = rotary_dim(cfg)
     base = cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # [d / 2]

@@ -107,6 +107,7 @@ def gguf_hf_config(meta: dict, shapes: dict[str, tuple[int, ...]], registry: Mod
         "tie_word_embeddings": lm_head not in tensor_names, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
     }
     if g("rope.dimension_count") is not None and int(g("rope.dimension_count")) != cfg["head_dim"]:
         cfg["partial_rotary_factor"] = int(g("rope.dimension_count")) / cfg["head_dim"]

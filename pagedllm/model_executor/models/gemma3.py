@@ -19,7 +19,7 @@ from ..attention import AttentionMetadata
 from ..kv_cache import KVCache
 from ..layers.rotary import rope_inv_freq
 from .config import GGUFInfo, ModelConfig, text_config_of
-from .llama import LlamaForCausalLM, RMSNorm, shift_norms
+from .llama import LlamaForCausalLM, RMSNorm, shift_norms, unshift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .weight_names import Linear, Param, Part
 
@@ -91,6 +91,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         wide = cfg["num_hidden_layers"] == 62
         return {**cfg, "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
                 "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if wide else cfg["head_dim"]}
+
+    @classmethod
+    def hf_checkpoint(cls, sd: dict[str, torch.Tensor], cfg: dict) -> None:
+        """llama.cpp's converter stores the norms as 1 + w."""
+        unshift_norms(sd)
 
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:
         super().__init__(cfg, biases)

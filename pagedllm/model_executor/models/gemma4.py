@@ -38,7 +38,7 @@ from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
 from .config import GGUFInfo, ModelConfig, gemma4_gguf_fields, per_layer_attention, text_config_of
 from .gemma3 import FULL, SLIDING, Gemma3DecoderLayer, Gemma3ForCausalLM
-from .llama import RMSNorm
+from .llama import RMSNorm, stack_experts
 from .weight_names import Linear, Param, Part
 
 _GEMMA3 = Gemma3ForCausalLM.WEIGHTS
@@ -274,6 +274,18 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
             head, _, proj = name.rpartition(".")
             for e in range(stacked.shape[0]):
                 sd[f"{head}.{e}.{proj}.weight"] = stacked[e]
+
+    @classmethod
+    def hf_checkpoint(cls, sd: dict[str, torch.Tensor], cfg: dict) -> None:
+        """hf_tensors' inverse: the per-layer output scale and the router's scales without `.weight`, each layer's
+        experts stacked. The norms are w in both formats."""
+        for name in [k for k in sd if k.endswith((".layer_scalar.weight", ".router.scale.weight",
+                                                   ".router.per_expert_scale.weight"))]:
+            sd[name.removesuffix(".weight")] = sd.pop(name)
+        for i in range(cfg["num_hidden_layers"]):
+            p = cls.WEIGHTS.hf_layer.format(i) + "experts."
+            for proj in ("gate_up_proj", "down_proj"):
+                stack_experts(sd, p, proj + ".weight", p + proj)
 
     def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset()) -> None:
         super().__init__(cfg, biases)

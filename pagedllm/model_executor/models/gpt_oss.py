@@ -18,7 +18,7 @@ from ..layers.formats import FORMATS
 from ..layers.fused_moe import FusedMoE
 from ..layers.weight_formats import BlockRows
 from .config import GGUFInfo, ModelConfig
-from .llama import DecoderLayer, LlamaForCausalLM
+from .llama import DecoderLayer, LlamaForCausalLM, stack_experts
 from .weight_names import Linear, Param, Part
 
 SLIDING = "sliding_attention"
@@ -67,6 +67,29 @@ class GptOssForCausalLM(LlamaForCausalLM):
         n = cfg["num_hidden_layers"]
         return {**cfg, "layer_types": [SLIDING if i % 2 == 0 else "full_attention" for i in range(n)],
                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+    @classmethod
+    def hf_checkpoint(cls, sd: dict[str, torch.Tensor], cfg: dict) -> None:
+        """hf_tensors' inverse: the sinks without `.weight`; each layer's experts in HF's stacked layout (gate and
+        up interleaved along the last axis, matrices [E, in, out]); the experts counted as `num_local_experts`."""
+        for i in range(cfg["num_hidden_layers"]):
+            layer = cls.WEIGHTS.hf_layer.format(i)
+            if layer + "self_attn.sinks.weight" in sd:
+                sd[layer + "self_attn.sinks"] = sd.pop(layer + "self_attn.sinks.weight")
+            p = layer + "mlp.experts."
+            for kind, suffix in (("weight", ""), ("bias", "_bias")):
+                gate = stack_experts(sd, p, f"gate_proj.{kind}", p + "gate")
+                up = stack_experts(sd, p, f"up_proj.{kind}", p + "up")
+                down = stack_experts(sd, p, f"down_proj.{kind}", p + "down_proj" + suffix)
+                if gate is None:
+                    continue
+                del sd[p + "gate"], sd[p + "up"]
+                gate_up = torch.stack((gate, up), 2).flatten(1, 2)  # gate and up rows alternate: [E, 2 I(, H)]
+                sd[p + "gate_up_proj" + suffix] = gate_up.transpose(1, 2).contiguous() if kind == "weight" else gate_up
+                if kind == "weight":
+                    sd[p + "down_proj"] = down.transpose(1, 2).contiguous()
+        cfg["num_local_experts"] = cfg.pop("num_experts")
+        cfg.pop("mlp_only_layers", None)
 
     @classmethod
     def hf_tensors(cls, sd: dict[str, torch.Tensor], cfg: ModelConfig) -> None:

@@ -21,7 +21,7 @@ from ..kv_cache import KVCache
 from ..layers.backends import Activation, Backend, TorchReference, backend_for
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
-from ..layers.rotary import rope_attention_scale, rope_inv_freq
+from ..layers.rotary import llama3_scaling_from_factors, rope_attention_scale, rope_inv_freq
 from ..layers.weight_formats import GGMLWeight, PackedWeight
 from .config import GGUFInfo, ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames, has_module
@@ -44,6 +44,24 @@ def shift_norms(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, RMSNorm):
             m.weight.data += 1
+
+
+def unshift_norms(sd: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> None:
+    """1 + w -> w for the norms of a GGUF's tensors under HF names (shift_norms' inverse; skip: names ending so
+    are norms stored as w in both formats)."""
+    for name in sd:
+        if name.endswith("norm.weight") and not name.endswith(skip):
+            sd[name] = sd[name] - 1
+
+
+def stack_experts(sd: dict[str, torch.Tensor], prefix: str, name: str, to: str) -> torch.Tensor | None:
+    """Pop `{prefix}{e}.{name}` for e = 0, 1, ... and return them stacked [E, ...] (None: no such tensor)."""
+    parts = []
+    while f"{prefix}{len(parts)}.{name}" in sd:
+        parts.append(sd.pop(f"{prefix}{len(parts)}.{name}"))
+    if parts:
+        sd[to] = torch.stack(parts)
+    return sd.get(to)
 
 
 class DecoderLayer(nn.Module):
@@ -137,6 +155,14 @@ class LlamaForCausalLM(nn.Module):
         stack tensors otherwise (gpt-oss: all experts in one) renames or slices them here, as views."""
 
     @classmethod
+    def hf_checkpoint(cls, sd: dict[str, torch.Tensor], cfg: dict) -> None:
+        """The inverse of `hf_tensors` and of llama.cpp's converter, for writing a GGUF out as an HF folder: sd holds
+        the file's tensors (fp32, HF's shapes) under the weight map's HF names, cfg the HF config its metadata gave;
+        a family whose HF checkpoints store tensors or keys otherwise changes both here, in place."""
+        if cfg["architectures"] == ["LlamaForCausalLM"] and cfg.get("sliding_window"):
+            cfg["architectures"] = ["MistralForCausalLM"]  # HF's Llama has no window: a windowed `llama` file is Mistral
+
+    @classmethod
     def gguf_row_order(cls, part: Part, n: int, cfg: ModelConfig) -> np.ndarray | None:
         """The order to read a GGUF linear part's n rows in, where the model keeps them otherwise than the file (None:
         the file's). Rows are whole blocks, so quantized rows move without a change."""
@@ -145,7 +171,13 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
         """The HF config a GGUF's metadata gave (the keys every family shares), with what llama.cpp fixes for
-        this family in code rather than metadata, or what its own keys and tensors say (gguf)."""
+        this family in code rather than metadata, or what its own keys and tensors say (gguf). Llama 3.1+ files
+        carry their rope scaling as per-pair divisors (`rope_freqs`), read back as HF's llama3 parameters."""
+        if "rope_freqs.weight" in gguf.shapes and gguf.read is not None and "rope_scaling" not in cfg:
+            rot = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
+            scaling = llama3_scaling_from_factors(list(gguf.read("rope_freqs.weight")), rot, cfg["rope_theta"])
+            if scaling is not None:
+                cfg = {**cfg, "rope_scaling": scaling}
         return cfg
 
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset()) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
 from .weight_names import Linear, Part
@@ -29,3 +31,10 @@ class MixtralForCausalLM(LlamaForCausalLM):
         cfg = ModelConfig.from_hf(raw)
         cfg.norm_topk_prob = True  # Mixtral always renormalizes its top-k weights
         return cfg
+
+    @classmethod
+    def hf_checkpoint(cls, sd: dict[str, torch.Tensor], cfg: dict) -> None:
+        """HF's Mixtral config counts its experts as `num_local_experts`; every layer is one of experts."""
+        cfg["num_local_experts"] = cfg.pop("num_experts")
+        for key in ("mlp_only_layers", "moe_intermediate_size"):
+            cfg.pop(key, None)

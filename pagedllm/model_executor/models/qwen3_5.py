@@ -33,7 +33,7 @@ from ..layers.gated_delta_net import StateCache, StateSeq, causal_conv, chunked,
 from ..layers.linear import PackedLinear
 from ..layers.rotary import partial_rotary_order, partial_rotary_rows, rotary_dim
 from .config import GGUFInfo, ModelConfig, qwen35_gguf_fields, text_config_of
-from .llama import DecoderLayer, LlamaForCausalLM, shift_norms
+from .llama import DecoderLayer, LlamaForCausalLM, shift_norms, unshift_norms
 from .qwen3 import Qwen3DecoderLayer
 from .qwen3_moe import MOE_EXPERTS, ROUTER
 from .weight_names import Linear, Param, Part
@@ -244,6 +244,38 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                 for e in range(gate_up.shape[0]):
                     sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = gate_up[e, :n], gate_up[e, n:]
                     sd[f"{p}{e}.down_proj.weight"] = down[e]
+
+    @classmethod
+    def hf_checkpoint(cls, sd: dict[str, torch.Tensor], cfg: dict) -> None:
+        """The inverse of llama.cpp's converter and of hf_tensors: the norms (but the gated one) as w, the decay
+        rates as A_log = log(-a), dt_bias and A_log without `.weight`, the conv kernels [C, 1, K], and the value
+        heads grouped by key head again where the file tiled them."""
+        unshift_norms(sd, skip=("linear_attn.norm.weight",))
+        hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        regroup = cfg.pop("linear_value_heads_tiled", False) and hk != hv
+
+        def grouped(t: torch.Tensor, dim: int, d: int) -> torch.Tensor:  # [.., (hv / hk) hk d, ..] -> [.., hk (hv / hk) d, ..]
+            t = t.movedim(dim, 0)
+            shape = t.shape
+            t = t.reshape(hv // hk, hk, d, *shape[1:]).transpose(0, 1).reshape(shape)
+            return t.movedim(0, dim).contiguous()
+
+        for i, kind in enumerate(cfg["layer_types"]):
+            if kind != LINEAR:
+                continue
+            p = cls.WEIGHTS.hf_layer.format(i) + "linear_attn."
+            sd[p + "A_log"] = (-sd.pop(p + "A_log.weight")).log()
+            sd[p + "dt_bias"] = sd.pop(p + "dt_bias.weight")
+            sd[p + "conv1d.weight"] = sd[p + "conv1d.weight"].unsqueeze(1)
+            if not regroup:
+                continue
+            for name, dim, d in (("in_proj_z.weight", 0, dv), ("in_proj_a.weight", 0, 1), ("in_proj_b.weight", 0, 1),
+                                 ("A_log", 0, 1), ("dt_bias", 0, 1), ("out_proj.weight", 1, dv)):
+                sd[p + name] = grouped(sd[p + name], dim, d)
+            for name in ("in_proj_qkv.weight", "conv1d.weight"):  # the key channels, then the value heads'
+                t = sd[p + name]
+                sd[p + name] = torch.cat((t[:2 * hk * dk], grouped(t[2 * hk * dk:], 0, dv)))
 
     def after_load(self, source: str) -> None:
         if source == "hf":  # (1 + w), as Gemma's norms

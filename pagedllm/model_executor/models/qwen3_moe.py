@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .config import GGUFInfo
 from .qwen3 import Qwen3ForCausalLM
 from .weight_names import Linear, Part
 
@@ -22,3 +23,8 @@ ROUTER = Linear("mlp.gate", (Part("mlp.gate", "ffn_gate_inp"),), "replicated")
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     WEIGHTS = dataclasses.replace(_QWEN3, linears=(*_QWEN3.linears, ROUTER), experts=MOE_EXPERTS)
+
+    @classmethod
+    def hf_config_from_gguf(cls, cfg: dict, gguf: GGUFInfo) -> dict:
+        """llama.cpp renormalizes a `qwen3moe` file's top-k weights in code (as the released models' configs set)."""
+        return {"norm_topk_prob": True, **super().hf_config_from_gguf(cfg, gguf)}

@@ -20,6 +20,7 @@ class ModelEntry:
     gguf: str | None = None  # the GGUF `general.architecture` this architecture is stored under
     # the GGUF names it only with `{arch}.expert_count` set (Mixtral is `llama` so); None: with it or without
     gguf_experts: bool | None = False
+    model_type: str | None = None  # config.json's `model_type` in HF's checkpoints of it (an exported folder's)
 
     def load(self) -> type:
         if isinstance(self.target, type):
@@ -29,22 +30,27 @@ class ModelEntry:
 
 
 _BUILTIN: dict[str, ModelEntry] = {
-    "LlamaForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="llama"),
-    "MistralForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="mistral"),
-    "Qwen2ForCausalLM": ModelEntry("qwen2:Qwen2ForCausalLM", gguf="qwen2"),
-    "Qwen3ForCausalLM": ModelEntry("qwen3:Qwen3ForCausalLM", gguf="qwen3"),
-    "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3"),
-    "Gemma3ForCausalLM": ModelEntry("gemma3:Gemma3ForCausalLM", gguf="gemma3"),
+    "LlamaForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="llama", model_type="llama"),
+    "MistralForCausalLM": ModelEntry("llama:LlamaForCausalLM", gguf="mistral", model_type="mistral"),
+    "Qwen2ForCausalLM": ModelEntry("qwen2:Qwen2ForCausalLM", gguf="qwen2", model_type="qwen2"),
+    "Qwen3ForCausalLM": ModelEntry("qwen3:Qwen3ForCausalLM", gguf="qwen3", model_type="qwen3"),
+    "Phi3ForCausalLM": ModelEntry("phi3:Phi3ForCausalLM", gguf="phi3", model_type="phi3"),
+    "Gemma3ForCausalLM": ModelEntry("gemma3:Gemma3ForCausalLM", gguf="gemma3", model_type="gemma3_text"),
     "Gemma3ForConditionalGeneration": ModelEntry("gemma3:Gemma3TextTower"),
-    "Gemma4ForCausalLM": ModelEntry("gemma4:Gemma4ForCausalLM", gguf="gemma4", gguf_experts=None),
+    "Gemma4ForCausalLM": ModelEntry("gemma4:Gemma4ForCausalLM", gguf="gemma4", gguf_experts=None,
+                                    model_type="gemma4_text"),
     "Gemma4ForConditionalGeneration": ModelEntry("gemma4:Gemma4TextTower"),
-    "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True),
-    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True),
-    "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True),
-    "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True),
-    "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM", gguf="qwen35"),
+    "MixtralForCausalLM": ModelEntry("mixtral:MixtralForCausalLM", gguf="llama", gguf_experts=True,
+                                     model_type="mixtral"),
+    "Qwen3MoeForCausalLM": ModelEntry("qwen3_moe:Qwen3MoeForCausalLM", gguf="qwen3moe", gguf_experts=True,
+                                      model_type="qwen3_moe"),
+    "OlmoeForCausalLM": ModelEntry("olmoe:OlmoeForCausalLM", gguf="olmoe", gguf_experts=True, model_type="olmoe"),
+    "GptOssForCausalLM": ModelEntry("gpt_oss:GptOssForCausalLM", gguf="gpt-oss", gguf_experts=True,
+                                    model_type="gpt_oss"),
+    "Qwen3_5ForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM", gguf="qwen35", model_type="qwen3_5_text"),
     "Qwen3_5ForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
-    "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM", gguf="qwen35moe", gguf_experts=True),
+    "Qwen3_5MoeForCausalLM": ModelEntry("qwen3_5:Qwen3_5ForCausalLM", gguf="qwen35moe", gguf_experts=True,
+                                        model_type="qwen3_5_moe_text"),
     "Qwen3_5MoeForConditionalGeneration": ModelEntry("qwen3_5:Qwen3_5TextTower"),
 }
 
@@ -54,9 +60,9 @@ class ModelRegistry:
         self._entries = dict(_BUILTIN if entries is None else entries)
 
     def register(self, architecture: str, target: str | type, gguf: str | None = None,
-                 gguf_experts: bool | None = False) -> ModelRegistry:
+                 gguf_experts: bool | None = False, model_type: str | None = None) -> ModelRegistry:
         """Add (or replace) an architecture; returns self for chaining."""
-        self._entries[architecture] = ModelEntry(target, gguf, gguf_experts)
+        self._entries[architecture] = ModelEntry(target, gguf, gguf_experts, model_type)
         return self
 
     @property
@@ -68,6 +74,13 @@ class ModelRegistry:
         if entry is None:
             raise ModelLoadError(f"unsupported architecture {architecture!r}; supported: {self.architectures}")
         return entry.load()
+
+    def model_type(self, architecture: str) -> str:
+        """HF's `model_type` for an architecture, for a config.json written out (an exported GGUF)."""
+        entry = self._entries.get(architecture)
+        if entry is None or entry.model_type is None:
+            raise ModelLoadError(f"no HF model_type is known for architecture {architecture!r}")
+        return entry.model_type
 
     def from_gguf(self, gguf_arch: str | None, experts: bool = False) -> str:
         """The HF architecture name a GGUF's `general.architecture` stands for (experts: the file sets

@@ -99,24 +99,29 @@ class WeightNames:
     gguf_interleaved_rope: frozenset[str] = frozenset()  # GGUF architectures whose q/k rows were interleaved
 
     def hf_names(self, gguf_arch: str) -> dict[str, tuple[str, str | None]]:
-        """GGUF name -> (HF name, rope heads field to undo) for the top-level tensors and `{}`-templated
-        layer tensors (the inverse map, for writing a GGUF out as an HF folder)."""
+        """GGUF tensor name -> (HF name, rope heads field to undo), suffixes included, for the top-level tensors and
+        `{}`-templated layer tensors (the inverse map, for writing a GGUF out as an HF folder). A tensor of a
+        family's own suffix (`ssm_a`, `ffn_gate_inp.scale`) maps to its HF name + ".weight", as `hf_tensors` names
+        it: the family's `hf_checkpoint` gives it HF's name and value."""
         rope = gguf_arch in self.gguf_interleaved_rope
-        out: dict[str, tuple[str, str | None]] = {self.embed.gguf: (self.embed.hf, None),
-                                                  self.norm.gguf: (self.norm.hf, None)}
+        out: dict[str, tuple[str, str | None]] = {}
+
+        def linear(gguf: str, hf: str, heads: str | None) -> None:
+            for suffix in (".weight", ".bias"):
+                out[gguf + suffix] = (hf + suffix, heads)
+
+        for p in (self.embed, self.norm, *self.extras):
+            out[p.gguf_tensor] = (p.hf + ".weight", None)
         for p in self.lm_head.parts:
-            out[p.gguf] = (p.hf, None)
-        for p in self.extras:
-            out[p.gguf] = (p.hf, None)
+            linear(p.gguf, p.hf, None)
         for lin in self.linears:
             for p in lin.parts:
-                out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, p.rope_heads if rope else None)
-        for n in self.norms:  # (a tensor of another suffix is a family's own, its value converted: not mapped back)
-            if n.gguf_suffix == ".weight":
-                out[self.gguf_layer + n.gguf] = (self.hf_layer + n.hf, None)
+                linear(self.gguf_layer + p.gguf, self.hf_layer + p.hf, p.rope_heads if rope else None)
         for lin in self.experts:  # stacked along a leading expert axis, `{e}` left in the HF name
             for p in lin.parts:
-                out[self.gguf_layer + p.gguf] = (self.hf_layer + p.hf, None)
+                linear(self.gguf_layer + p.gguf, self.hf_layer + p.hf, None)
+        for n in self.norms:
+            out[self.gguf_layer + n.gguf_tensor] = (self.hf_layer + n.hf + ".weight", None)
         return out
 
     def expert_linears(self, e: int) -> list[Linear]:
