@@ -41,9 +41,10 @@ ARCHS["phi3-gguf"] = (*ARCHS["phi3"][:2], {**ARCHS["phi3"][2], "sliding_window":
 ARCHS["gemma4-gguf"] = (*ARCHS["gemma4"][:2], {**ARCHS["gemma4"][2], "layer_types": [
     "sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
     "sliding_attention", "sliding_attention", "full_attention"]})
-FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3-gguf": "phi3", "gemma3-gguf": "gemma3",
-            "mixtral": "llama", "qwen3-moe-gguf": "qwen3moe", "olmoe-gguf": "olmoe", "gpt-oss-gguf": "gpt-oss",
-            "gemma4-gguf": "gemma4", "gemma4-moe": "gemma4", "qwen3.5": "qwen35", "qwen3.5-moe-gguf": "qwen35moe"}
+FAMILIES = {"llama": "llama", "llama3-rope": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3-gguf": "phi3",
+            "gemma3-gguf": "gemma3", "mixtral": "llama", "qwen3-moe-gguf": "qwen3moe", "olmoe-gguf": "olmoe",
+            "gpt-oss-gguf": "gpt-oss", "gemma4-gguf": "gemma4", "gemma4-moe": "gemma4", "qwen3.5": "qwen35",
+            "qwen3.5-moe-gguf": "qwen35moe"}
 # the families whose files carry keys or values of their own (as llama.cpp's converter writes them)
 WRITER = {"gemma3": {"norm_shift": 1.0}, "gemma4": {"meta": gemma4_gguf_keys},
           "qwen35": {"meta": qwen35_gguf_keys, "transform": qwen35_converter_values},
