@@ -66,6 +66,23 @@ def test_packed_linear(ops, rows, out_features):
     torch.testing.assert_close(ops.packed_linear(x, packed, None, out_features), F.linear(x, w))
 
 
+def test_packed_linear_as_an_avx2_cpu_runs_it(ops_avx2):
+    """The AVX2 micro-kernel (6-row sub-tiles of 16 columns, the rest 1-2 x 48, 3-4 x 24, 5 x 16, whole rows of
+    the panel prefetched ahead by the first sub-tile's pass) over every row remainder, partial panels and a K
+    longer than the prefetch distance."""
+    assert ops_avx2.linear_bf16_isa == "avx2"
+    for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 64):
+        for out_features, k in ((48, 40), (70, 600), (96, 1536)):
+            g = torch.Generator().manual_seed(rows * out_features)
+            x, w = torch.randn(rows, k, generator=g), torch.randn(out_features, k, generator=g)
+            b = torch.randn(out_features, generator=g)
+            packed = pack_weight(w)
+            torch.testing.assert_close(ops_avx2.packed_linear(x, packed, pad_bias(b), out_features), F.linear(x, w, b),
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(ops_avx2.packed_linear(x, packed, None, out_features), F.linear(x, w),
+                                       rtol=1e-4, atol=1e-4)
+
+
 def test_rms_norm_with_and_without_residual(ops):
     g = torch.Generator().manual_seed(0)
     x, res, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40, generator=g)
