@@ -4,7 +4,7 @@
 //
 // Which path a call takes is decided by its rows, so that a row's result does not depend on the
 // batch it came in: a caller that knows its step passes decode_rows (its leading single-token decode
-// rows); prompt rows (any rows past those) always take the bf16 panels, and a step of decodes alone
+// rows); prompt rows (any rows past those) always take the panels (bf16; fp32 on AVX2), and a step of decodes alone
 // takes the integer dot while it has fewer than kDotRowsMax rows. So a prompt's last row is computed
 // the same way whether its prefix came from the cache (a few rows left) or not (the whole prompt).
 // decode_rows = -1 (a caller that does not know): by M alone.
@@ -20,8 +20,10 @@
 // rows at a time into a thread-local buffer, then multiplied with all of x rounded to bf16, so the
 // quantized weights cost their dequantization once per call, not once per row of x: 48-row panels
 // for the panel micro-kernel of bf16_tile.h, made with AVX512-BF16 by dequantizing 16 rows and
-// transposing them in registers, with AVX2 8 rows likewise (else a scalar loop), multiplied on AMX tiles (bf16_amx.h) where the
-// CPU has them, else by bf16_tile.h's vdpbf16ps / widening paths.
+// transposing them in registers, with 256-bit instructions 8 rows likewise (AVX-512 CPUs without BF16), else a
+// scalar loop, multiplied on AMX tiles (bf16_amx.h) where the
+// CPU has them, else by bf16_tile.h's vdpbf16ps / widening paths. AVX2, which has no bf16 arithmetic to gain
+// from, dequantizes 8 rows at a time into fp32 panels for f32_tile.h's micro-kernel instead (PAGEDLLM_F32_PREFILL).
 // ISA paths of the integer dot (compile-time; -march=native, build keyed by the CPU's flags):
 //   AVX512-VNNI + BW: vpdpbusd on 512-bit vectors, two chunks at a time (rows of an even chunk count);
 //   AVX512-VNNI (+VL) or AVX-VNNI: vpdpbusd on 256-bit vectors (u8 x s8 -> int32, no saturation);
@@ -34,6 +36,7 @@
 #include <vector>
 
 #include "bf16_tile.h"
+#include "f32_tile.h"
 #include "ggml_blocks.h"
 #include "linear_ggml.h"
 #include "linear_x16.h"
@@ -435,12 +438,28 @@ inline __m256i bf16_low(__m256 v) {
   return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
 }
 
+// Chunk g (32 weights) of a row dequantized as ggml does (d * q + m, in fp32) into 4 vectors of 8: k 8j .. 8j + 7
+template <class F>
+inline void dequant_chunk8(const uint8_t* row, int64_t g, __m256* v) {
+  constexpr int CPB = F::QK / 32;
+  const uint8_t* blk = row + (g / CPB) * F::BYTES;
+  const int sub = static_cast<int>(g % CPB);
+  float d[2], m[2];
+  F::scales(blk, sub, d, m);
+  const __m256i q = F::quants256(blk, sub);
+  for (int j = 0; j < 4; ++j) {
+    const __m128i h = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+    const __m128i q8 = j % 2 ? _mm_srli_si128(h, 8) : h;
+    const __m256i qi = F::kSigned ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8);
+    v[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(d[j / 2]), _mm256_set1_ps(m[j / 2]));
+  }
+}
+
 // One 48-row panel [K2, 48, 2] bf16 straight from the blocks on AVX2: per chunk of 32 k, 8 rows are
 // dequantized (fp32 fma, rounded to bf16 and packed into 16 k pairs a row) and transposed in registers, so
 // each k pair's 8 columns are stored as one vector. Rows past `cols` are zero.
 template <class F>
 void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t c0, int64_t cols, uint16_t* panel) {
-  constexpr int CPB = F::QK / 32;
   for (int grp = 0; grp < 6; ++grp) {
     for (int64_t g = 0; g < K / 32; ++g) {
       __m256i r[2][8];  // [pairs 0-7 | 8-15][row]
@@ -450,18 +469,10 @@ void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
           r[0][i] = r[1][i] = _mm256_setzero_si256();
           continue;
         }
-        const uint8_t* blk = w + (c0 + c) * row_bytes + (g / CPB) * F::BYTES;
-        const int sub = static_cast<int>(g % CPB);
-        float d[2], m[2];
-        F::scales(blk, sub, d, m);
-        const __m256i q = F::quants256(blk, sub);
+        __m256 v[4];
+        dequant_chunk8<F>(w + (c0 + c) * row_bytes, g, v);
         __m256i b[4];  // bf16 bits of k 8j .. 8j + 7
-        for (int j = 0; j < 4; ++j) {
-          const __m128i h = j < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
-          const __m128i q8 = j % 2 ? _mm_srli_si128(h, 8) : h;
-          const __m256i qi = F::kSigned ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8);
-          b[j] = bf16_low(_mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), _mm256_set1_ps(d[j / 2]), _mm256_set1_ps(m[j / 2])));
-        }
+        for (int j = 0; j < 4; ++j) b[j] = bf16_low(v[j]);
         // packus interleaves 128-bit lanes: [k0-3, k8-11 | k4-7, k12-15]; the permute restores k order
         r[0][i] = _mm256_permute4x64_epi64(_mm256_packus_epi32(b[0], b[1]), 0xd8);
         r[1][i] = _mm256_permute4x64_epi64(_mm256_packus_epi32(b[2], b[3]), 0xd8);
@@ -481,24 +492,47 @@ void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
 #define PAGEDLLM_DEQUANT_PANEL 1
 #endif
 
-// y[:, col0 : col0 + rows of w] for one part; a is x quantized (decode-sized M) or xb its bf16 pairs
-// y[:, 0 : rows] (yc, bc already offset to the part's columns) = x @ W^T for prefill-sized M, W made a
-// 48-row bf16 panel at a time by make_panel(p, panel, row_scratch)
-template <class MakePanel>
-void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc,
-                 int64_t O, MakePanel&& make_panel) {
-  using bf16::NR;
-  const int64_t K2 = (K + 1) / 2, P = (rows + NR - 1) / NR, panel_elems = K2 * NR * 2;
-  auto tiles = [&](int64_t p, const uint16_t* panel, int64_t m_lo, int64_t m_hi) {
-    const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
-    const float* pb = bc ? bc + c0 : nullptr;
-    bf16::rows_out(*xb, m_lo, m_hi, panel, pb, yc + c0, O, cols);
-  };
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// Prompt rows on AVX2, which has no bf16 arithmetic: there the bf16 panels' micro-kernel widens every weight pair
+// into two fp32 vectors, a shift and a mask on the ports the FMAs need. So prompt rows take fp32 panels [K, 48]
+// instead (f32_tile.h's layout and 6 x 16 tiles; the panel is made once a call and read from L2 by every row
+// block), with x as it is: fp32 weights exactly as ggml dequantizes them, x not rounded.
+#define PAGEDLLM_F32_PREFILL 1
+
+// One 48-row panel [K, 48] fp32 straight from the blocks: per chunk of 32 k, 8 rows are dequantized and transposed
+// in registers by 8 x 8, so each k's 8 columns are stored as one vector. Rows past `cols` are zero.
+template <class F>
+void dequant_panel_f32(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t c0, int64_t cols, float* panel) {
+  for (int grp = 0; grp < 6; ++grp) {
+    for (int64_t g = 0; g < K / 32; ++g) {
+      __m256i r[4][8];  // [k 8j .. 8j + 7 of the chunk][row]
+      for (int i = 0; i < 8; ++i) {
+        const int64_t c = 8 * grp + i;
+        __m256 v[4] = {};
+        if (c < cols) dequant_chunk8<F>(w + (c0 + c) * row_bytes, g, v);
+        for (int j = 0; j < 4; ++j) r[j][i] = _mm256_castps_si256(v[j]);
+      }
+      for (int j = 0; j < 4; ++j) {
+        transpose8(r[j]);
+        for (int t = 0; t < 8; ++t)
+          _mm256_storeu_ps(panel + (32 * g + 8 * j + t) * f32::NR + 8 * grp, _mm256_castsi256_ps(r[j][t]));
+      }
+    }
+  }
+}
+#endif
+
+// y[:, 0 : rows] (yc, bc already offset to the part's columns) = x @ W^T for prefill-sized M, W made one 48-row
+// panel of panel_elems T at a time by make_panel(p, panel, row_scratch), and tiles(p, panel, m_lo, m_hi) its
+// products with rows [m_lo, m_hi) of x
+template <class T, class MakePanel, class Tiles>
+void sweep_panels(int64_t M, int64_t K, int64_t rows, int64_t panel_elems, MakePanel&& make_panel, Tiles&& tiles) {
+  const int64_t P = (rows + bf16::NR - 1) / bf16::NR;
   constexpr int64_t MB = 128;  // rows of x per pass, as in linear_bf16
   if (M <= MB) {  // one pass over x: each panel made in a thread-local buffer and used at once
     at::parallel_for(0, P, 1, [&](int64_t lo, int64_t hi) {
-      const bf16::Aligned<uint16_t> panel = bf16::aligned<uint16_t>(panel_elems);
-      std::fill_n(panel.get(), panel_elems, uint16_t{0});
+      const bf16::Aligned<T> panel = bf16::aligned<T>(panel_elems);
+      std::fill_n(panel.get(), panel_elems, T{0});
       std::vector<float> row(K);
       for (int64_t p = lo; p < hi; ++p) {
         make_panel(p, panel.get(), row);
@@ -507,12 +541,13 @@ void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, cons
     });
     return;
   }
-  // long prefills: a group of panels (<= 8 MiB of bf16) dequantized once, then swept over x in blocks
-  // of MB rows, so x stays in L2 instead of streaming once per panel
-  const int64_t G = std::max<int64_t>(1, (8 << 20) / (panel_elems * 2)), nmb = (M + MB - 1) / MB;
+  // long prefills: a group of panels (<= 8 MiB) made once, then swept over x in blocks of MB rows, so x stays in
+  // L2 instead of streaming once per panel
+  const int64_t G = std::max<int64_t>(1, (8 << 20) / (panel_elems * static_cast<int64_t>(sizeof(T))));
+  const int64_t nmb = (M + MB - 1) / MB;
   // not zero-filled: make_panel writes every element (K is a multiple of 32), and zeroing 8 MiB a call
   // cost as much as the dequantization
-  const bf16::Aligned<uint16_t> group = bf16::aligned<uint16_t>(std::min(G, P) * panel_elems);
+  const bf16::Aligned<T> group = bf16::aligned<T>(std::min(G, P) * panel_elems);
   for (int64_t p0 = 0; p0 < P; p0 += G) {
     const int64_t np = std::min(G, P - p0);
     at::parallel_for(0, np, 1, [&](int64_t lo, int64_t hi) {
@@ -528,10 +563,23 @@ void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, cons
   }
 }
 
+// bf16 panels [K2, 48, 2] times x's bf16 pairs (bf16_tile.h's rows_out: AMX tiles, vdpbf16ps or widening)
+template <class MakePanel>
+void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc,
+                 int64_t O, MakePanel&& make_panel) {
+  using bf16::NR;
+  const int64_t K2 = (K + 1) / 2;
+  sweep_panels<uint16_t>(M, K, rows, K2 * NR * 2, make_panel,
+                         [&](int64_t p, const uint16_t* panel, int64_t m_lo, int64_t m_hi) {
+    const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
+    bf16::rows_out(*xb, m_lo, m_hi, panel, bc ? bc + c0 : nullptr, yc + c0, O, cols);
+  });
+}
+
 // y[:, col0 : col0 + rows] for one part in a plain (file) layout: F is its format; x16 parts are in
 // linear_x16.cpp, and both share the panel sweep below
 template <class F>
-void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, const torch::Tensor& w,
+void linear_part(const QAct* a, const bf16::Pairs* xb, const float* xf, int64_t M, int64_t K, const torch::Tensor& w,
                  const float* bias, float* y, int64_t O, int64_t col0) {
   const int64_t rows = w.size(0), row_bytes = w.size(1);
   TORCH_CHECK(K % F::QK == 0 && row_bytes == K / F::QK * F::BYTES,
@@ -560,6 +608,17 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, con
     });
     return;
   }
+#if PAGEDLLM_F32_PREFILL
+  (void)xb;
+  sweep_panels<float>(M, K, rows, K * f32::NR, [&](int64_t p, float* panel, std::vector<float>&) {
+    dequant_panel_f32<F>(wp, row_bytes, K, p * f32::NR, std::min(f32::NR, rows - p * f32::NR), panel);
+  }, [&](int64_t p, const float* panel, int64_t m_lo, int64_t m_hi) {
+    const int64_t c0 = p * f32::NR;
+    f32::rows(xf + m_lo * K, m_hi - m_lo, K, panel, bc ? bc + c0 : nullptr, yc + m_lo * O + c0, O,
+              std::min(f32::NR, rows - c0));
+  });
+#else
+  (void)xf;
   auto make_panel = [&](int64_t p, uint16_t* panel, std::vector<float>& row) {
     constexpr int64_t NR = bf16::NR;
     const int64_t c0 = p * NR, cols = std::min(NR, rows - c0);
@@ -576,6 +635,7 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, int64_t M, int64_t K, con
     }
   };
   panel_sweep(xb, M, K, rows, bc, yc, O, make_panel);
+#endif
 }
 
 template <class F>
@@ -658,7 +718,11 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
   if (K % 32 == 0 && (dot || tiled) && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K, tiled);
   X16Act a16;
   if (K % 32 == 0 && dot && any_x16) a16 = x16_quantize(x.data_ptr<float>(), M, K);
+#if PAGEDLLM_F32_PREFILL
+  if (!dot && !tiled && any_x16) xb = bf16::pairs(x.data_ptr<float>(), M, K);  // plain parts read x as it is
+#else
   if (!dot && !tiled) xb = bf16::pairs(x.data_ptr<float>(), M, K);
+#endif
   int64_t col0 = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     if (types[i] >= kX16) {
@@ -675,7 +739,7 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
       }
     } else {
       dispatch(types[i], [&](auto f) {
-        linear_part<decltype(f)>(dot || tiled ? &a : nullptr, &xb, M, K, ws[i], b, yp, O, col0);
+        linear_part<decltype(f)>(dot || tiled ? &a : nullptr, &xb, x.data_ptr<float>(), M, K, ws[i], b, yp, O, col0);
         return 0;
       });
     }
