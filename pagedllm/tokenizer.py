@@ -21,6 +21,32 @@ from .limits import check_unicode
 GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4
 _LONG_TEXT = 8192  # characters: ~2 ms of encoding, past which holding the GIL stalls the other threads
 
+# A GGUF names one EOS token, but a chat model ends its turns with others (Gemma's <end_of_turn> beside <eos>, Llama
+# 3's <|eot_id|> and <|eom_id|>, gpt-oss's <|call|> beside <|return|>), which an HF folder lists in
+# generation_config.json and a GGUF does not carry. llama.cpp ends generation on the file's eos / eot / eom ids and
+# on any token spelled as one of these (llama-vocab.cpp); so does a GGUF here.
+GGUF_END_OF_GENERATION = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})
+
+
+def gguf_end_of_generation(meta: dict) -> list[int]:
+    """The token ids that end a GGUF model's generation beside its EOS, as llama.cpp reads them: the file's eot and
+    eom ids and the tokens spelled as GGUF_END_OF_GENERATION. Where a vocabulary has <|return|> and <|call|> (or
+    <|calls|> and <|flush|>), <|end|> closes a message inside the answer (gpt-oss's Harmony) and does not end it."""
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    ids = {i: t for i, t in enumerate(tokens) if t in GGUF_END_OF_GENERATION}
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        i = meta.get(key)
+        if i is not None and 0 <= i < len(tokens):
+            ids[i] = tokens[i]
+    spelled = set(ids.values())
+    if {"<|return|>", "<|call|>"} <= spelled or {"<|calls|>", "<|flush|>"} <= spelled:
+        ids = {i: t for i, t in ids.items() if t != "<|end|>"}
+    return sorted(ids)
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of each byte."""
@@ -99,7 +125,7 @@ class Tokenizer:
         # writes its own, and its reference tokenizer adds none (llama.cpp forces one on; transformers does not)
         add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and kind != "gemma4"
         return cls(tok, name("bos_token_id"), name("eos_token_id"), meta.get("tokenizer.chat_template"),
-                   add_bos=bool(add_bos))
+                   add_bos=bool(add_bos), extra_eos_ids=gguf_end_of_generation(meta))
 
     def save(self, path: Path) -> None:
         self.tok.save(str(path / "tokenizer.json"))

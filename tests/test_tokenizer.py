@@ -169,3 +169,30 @@ def test_a_byte_level_gguf_vocabulary_splits_as_its_pre_tokenizer_names():
         assert ids == hf.encode("12345", add_special_tokens=False)
         plain = Tokenizer.from_gguf_metadata(gpt2, "llama")
         assert [plain.decode([i]) for i in plain.encode("12345", add_special_tokens=False)] == ["1234", "5"]
+
+
+def test_a_gguf_ends_generation_where_llama_cpp_does():
+    """A GGUF keeps one EOS id, but chat models end turns with other tokens (Gemma's <end_of_turn>, Llama 3's
+    <|eot_id|> / <|eom_id|>, gpt-oss's <|call|>): llama.cpp's end-of-generation set, by the file's eot / eom ids
+    and the tokens' spelling; with <|return|> and <|call|> in the vocabulary, <|end|> is not in it (it closes a
+    Harmony message mid-answer). The default model's <|endoftext|> joins its <|im_end|>."""
+    from pagedllm.tokenizer import gguf_end_of_generation
+
+    gemma = {"tokenizer.ggml.tokens": ["<pad>", "<eos>", "<bos>", "hi", "<start_of_turn>", "<end_of_turn>"],
+             "tokenizer.ggml.eos_token_id": 1}
+    assert gguf_end_of_generation(gemma) == [1, 5]
+    llama3 = {"tokenizer.ggml.tokens": ["a", "<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>",
+                                        "<|custom_stop|>"], "tokenizer.ggml.eot_token_id": 5}
+    assert gguf_end_of_generation(llama3) == [2, 3, 4, 5]
+    harmony = {"tokenizer.ggml.tokens": ["<|start|>", "<|end|>", "<|return|>", "<|call|>", "<|message|>"]}
+    assert gguf_end_of_generation(harmony) == [2, 3]
+    phi3 = {"tokenizer.ggml.tokens": ["<unk>", "<|endoftext|>", "<|end|>", "<|user|>"]}
+    assert gguf_end_of_generation(phi3) == [1, 2]
+    assert gguf_end_of_generation({"tokenizer.ggml.tokens": ["x"], "tokenizer.ggml.eom_token_id": 7}) == []
+    import json
+
+    from pagedllm.model_executor.model_loader import load_model
+
+    assert load_model(None).tokenizer.eos_token_ids == {0, 2}
+    exported = gguf_to_hf_folder(default_model_path()) / "generation_config.json"  # for HF-only peers
+    assert json.loads(exported.read_text())["eos_token_id"] == [0, 2]

@@ -26,7 +26,7 @@ log = logging.getLogger("pagedllm")
 
 # part of the cached folder's name: changed whenever the export writes something else for the same file, so that
 # a folder an older export wrote is not reused
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 
 
 def gguf_to_hf_folder(path: Path) -> Path:
@@ -67,7 +67,10 @@ def gguf_to_hf_folder(path: Path) -> Path:
         save_file(sd, str(tmp / "model.safetensors"))
         tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
         try:
-            Tokenizer.from_gguf_metadata(tok_meta, meta.get("general.architecture")).save(tmp)
+            tok = Tokenizer.from_gguf_metadata(tok_meta, meta.get("general.architecture"))
+            tok.save(tmp)
+            # the tokens that end generation, as llama.cpp reads the file: where an HF folder lists them
+            (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(tok.eos_token_ids)}))
         except ValueError as e:
             log.warning("no tokenizer from %s: %s (token-id prompts only)", path, e)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1))  # written last: marks completion
