@@ -177,6 +177,9 @@ def test_fallback_isa_paths(ops_avx2) -> None:
             if not int8:
                 few = mod.linear_ggml(x[:3].contiguous(), [torch.from_numpy(raw)], [int(t)], [41], None, 41, 0)
                 assert torch.equal(few.double(), y[:3])
+                bias = torch.randn(41, generator=torch.Generator().manual_seed(41))  # 41: a partial last panel
+                yb = mod.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [41], bias, 41, decode_rows).double()
+                torch.testing.assert_close(yb, ref + bias.double(), rtol=tol, atol=tol * ref.abs().max().item())
         # a tile's lanes do not mix: the same decode rows give the same bits in a step of 22 or of 17
         x = torch.randn(22, k, generator=torch.Generator().manual_seed(22))
         tiles = [mod.linear_ggml(x[:n], [torch.from_numpy(raw)], [int(t)], [41], None, 41, n) for n in (22, 17)]

@@ -610,11 +610,18 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, const float* xf, int64_t 
   }
 #if PAGEDLLM_F32_PREFILL
   (void)xb;
+  // the micro-kernel loads whole 8-column vectors of bias: a copy padded to whole panels, so the last, partial
+  // panel reads no further than its own
+  std::vector<float> bias_pad;
+  if (bc) {
+    bias_pad.assign((rows + f32::NR - 1) / f32::NR * f32::NR, 0.f);
+    std::copy(bc, bc + rows, bias_pad.begin());
+  }
   sweep_panels<float>(M, K, rows, K * f32::NR, [&](int64_t p, float* panel, std::vector<float>&) {
     dequant_panel_f32<F>(wp, row_bytes, K, p * f32::NR, std::min(f32::NR, rows - p * f32::NR), panel);
   }, [&](int64_t p, const float* panel, int64_t m_lo, int64_t m_hi) {
     const int64_t c0 = p * f32::NR;
-    f32::rows(xf + m_lo * K, m_hi - m_lo, K, panel, bc ? bc + c0 : nullptr, yc + m_lo * O + c0, O,
+    f32::rows(xf + m_lo * K, m_hi - m_lo, K, panel, bc ? bias_pad.data() + c0 : nullptr, yc + m_lo * O + c0, O,
               std::min(f32::NR, rows - c0));
   });
 #else
