@@ -109,12 +109,28 @@ def llama3_scaling_from_factors(factors: list[float], rot_dim: int, theta: float
         x_low, x_high = slow + (fast - slow) / 3, slow + 2 * (fast - slow) / 3
     out = {"rope_type": "llama3", "factor": factor, "low_freq_factor": x_low * original_context,
            "high_freq_factor": x_high * original_context, "original_max_position_embeddings": original_context}
-    for xi, f in zip(x, factors):
-        s = min(max((xi - x_low) / (x_high - x_low), 0.0), 1.0)
-        if abs(1 / ((1 - s) / factor + s) - f) > 1e-4 * f:
-            raise ModelLoadError(f"rope_freqs {factors} are not llama3 rope scaling's (pair {x.index(xi)}: {f}); "
-                                 "other per-pair rope factors are not supported")
+    inv = theta ** -(torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    given = torch.tensor(factors, dtype=torch.float64)
+    off = ((inv / _llama3_inv_freq(inv, out) - given).abs() > 1e-4 * given).nonzero()
+    if len(off):
+        i = int(off[0])
+        raise ModelLoadError(f"rope_freqs {factors} are not llama3 rope scaling's (pair {i}: {factors[i]}); "
+                             "other per-pair rope factors are not supported")
     return out
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3's rope scaling of the frequencies: the slow pairs divided by the factor, the fast ones kept, a ramp
+    in 1 / wavelength between."""
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -132,13 +148,5 @@ def _rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if kind == "yarn":
         return _yarn_inv_freq(s, d, cfg.rope_theta, base)
     if kind == "llama3":
-        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-        old_len = s.get("original_max_position_embeddings", 8192)
-        lo_wavelen, hi_wavelen = old_len / lo, old_len / hi
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > lo_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
-        return torch.where(medium, smoothed, scaled)
+        return _llama3_inv_freq(inv_freq, s)
     raise ModelLoadError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3, longrope, yarn)")

@@ -285,7 +285,8 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
         for i in range(cfg["num_hidden_layers"]):
             p = cls.WEIGHTS.hf_layer.format(i) + "experts."
             for proj in ("gate_up_proj", "down_proj"):
-                stack_experts(sd, p, proj + ".weight", p + proj)
+                if (stacked := stack_experts(sd, p, proj + ".weight")) is not None:
+                    sd[p + proj] = stacked
 
     def __init__(self, cfg: Gemma4Config, biases: frozenset[str] = frozenset()) -> None:
         super().__init__(cfg, biases)

@@ -78,16 +78,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 sd[layer + "self_attn.sinks"] = sd.pop(layer + "self_attn.sinks.weight")
             p = layer + "mlp.experts."
             for kind, suffix in (("weight", ""), ("bias", "_bias")):
-                gate = stack_experts(sd, p, f"gate_proj.{kind}", p + "gate")
-                up = stack_experts(sd, p, f"up_proj.{kind}", p + "up")
-                down = stack_experts(sd, p, f"down_proj.{kind}", p + "down_proj" + suffix)
+                gate, up = stack_experts(sd, p, f"gate_proj.{kind}"), stack_experts(sd, p, f"up_proj.{kind}")
+                down = stack_experts(sd, p, f"down_proj.{kind}")
                 if gate is None:
                     continue
-                del sd[p + "gate"], sd[p + "up"]
                 gate_up = torch.stack((gate, up), 2).flatten(1, 2)  # gate and up rows alternate: [E, 2 I(, H)]
-                sd[p + "gate_up_proj" + suffix] = gate_up.transpose(1, 2).contiguous() if kind == "weight" else gate_up
-                if kind == "weight":
-                    sd[p + "down_proj"] = down.transpose(1, 2).contiguous()
+                if kind == "weight":  # HF's matrices are [E, in, out]
+                    gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+                sd[p + "gate_up_proj" + suffix], sd[p + "down_proj" + suffix] = gate_up, down
         cfg["num_local_experts"] = cfg.pop("num_experts")
         cfg.pop("mlp_only_layers", None)
 

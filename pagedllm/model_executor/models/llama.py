@@ -54,14 +54,12 @@ def unshift_norms(sd: dict[str, torch.Tensor], skip: tuple[str, ...] = ()) -> No
             sd[name] = sd[name] - 1
 
 
-def stack_experts(sd: dict[str, torch.Tensor], prefix: str, name: str, to: str) -> torch.Tensor | None:
+def stack_experts(sd: dict[str, torch.Tensor], prefix: str, name: str) -> torch.Tensor | None:
     """Pop `{prefix}{e}.{name}` for e = 0, 1, ... and return them stacked [E, ...] (None: no such tensor)."""
     parts = []
     while f"{prefix}{len(parts)}.{name}" in sd:
         parts.append(sd.pop(f"{prefix}{len(parts)}.{name}"))
-    if parts:
-        sd[to] = torch.stack(parts)
-    return sd.get(to)
+    return torch.stack(parts) if parts else None
 
 
 class DecoderLayer(nn.Module):

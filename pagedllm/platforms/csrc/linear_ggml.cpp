@@ -78,11 +78,6 @@ struct QAct {
   std::vector<float> t4;
 };
 
-inline float* tile_scales(QAct& a, int64_t M) {
-  a.t4.assign(((M + 3) / 4) * a.nch * 12, 0.f);
-  return a.t4.data();
-}
-
 // q = round(x * id) (to nearest even, as nearbyint), and the sums of q over values 0-15 and 16-31
 inline void quantize32(const float* xs, float id, int8_t* q, int* s0, int* s1) {
 #if defined(__AVX2__)
@@ -123,7 +118,8 @@ QAct quantize_rows(const float* x, int64_t M, int64_t K, bool tiled = false) {
       }
   });
   if (tiled) {
-    float* t4 = tile_scales(a, M);
+    a.t4.assign(((M + 3) / 4) * a.nch * 12, 0.f);
+    float* t4 = a.t4.data();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < a.nch; ++g) {
         float* c = t4 + ((m / 4) * a.nch + g) * 12 + m % 4;
@@ -220,6 +216,9 @@ void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, c
 // rounding of x is twice as accurate as int8 per 32. Past ~64 rows the panels tie it on an AMX Xeon: the hadd
 // trees and broadcasts are shuffles, one port's work there; a layout with a weight row per lane (as the
 // repacked AVX-512 dot has) is what would go past that.
+// a value of weight row n in lanes 0-3 and one of row n + 1 in lanes 4-7 (dot_tiles' lane order)
+inline __m256 row_pair(float v0, float v1) { return _mm256_set_m128(_mm_set1_ps(v1), _mm_set1_ps(v0)); }
+
 template <class F>
 void dot_tiles(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, const QAct& a, int64_t M,
                const float* bias, float* y, int64_t O) {
@@ -260,19 +259,19 @@ void dot_tiles(const uint8_t* w, int64_t row_bytes, int64_t n_lo, int64_t n_hi, 
           const __m256i lo = _mm256_permute2x128_si256(x0, x1, 0x20), hi = _mm256_permute2x128_si256(x0, x1, 0x31);
           const __m256 da = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(t4 + g * 12));
           if constexpr (F::kSplit) {
-            const __m256 s_lo = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(d1[0]), _mm_set1_ps(d0[0])), da);
-            const __m256 s_hi = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(d1[1]), _mm_set1_ps(d0[1])), da);
+            const __m256 s_lo = _mm256_mul_ps(row_pair(d0[0], d1[0]), da);
+            const __m256 s_hi = _mm256_mul_ps(row_pair(d0[1], d1[1]), da);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s_lo, acc);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s_hi, acc);
           } else {
-            const __m256 sc = _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(d1[0]), _mm_set1_ps(d0[0])), da);
+            const __m256 sc = _mm256_mul_ps(row_pair(d0[0], d1[0]), da);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), sc, acc);
           }
           if constexpr (!F::kSigned) {  // offsets m * da * sum(qa) per half
             const __m256 sa = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(t4 + g * 12 + 4));
             const __m256 sb = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(t4 + g * 12 + 8));
-            off = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(m1[0]), _mm_set1_ps(m0[0])), sa, off);
-            off = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(m1[1]), _mm_set1_ps(m0[1])), sb, off);
+            off = _mm256_fmadd_ps(row_pair(m0[0], m1[0]), sa, off);
+            off = _mm256_fmadd_ps(row_pair(m0[1], m1[1]), sb, off);
           }
         }
       }
