@@ -1,8 +1,11 @@
 """One engine loop for many concurrent clients.
 
-The loop runs `LLMEngine.step()` in a worker thread while any request is live. Adds and aborts
-from request handlers are queued and applied between steps, also in a worker thread (the engine
-is never touched by two threads at once, and the event loop never does engine work). `add`
+The loop runs `LLMEngine.step()` in the engine's own thread while any request is live. Adds and aborts
+from request handlers are queued and applied between steps, in that thread too (the engine is never
+touched by two threads at once, and the event loop never does engine work). One thread, not a pool's
+next free one: each thread that runs the kernels gets an OpenMP team of its own, and with more team
+threads than cores OpenMP puts its idle workers to sleep after a short spin, so every kernel call of a
+step would pay a wake-up (a one-stream decode ran at a third of the offline API's speed). `add`
 hands back one RequestStream per prompt, owned by the caller: a request that finishes in its
 first step has its output waiting there, whenever the handler starts reading.
 """
@@ -11,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..config import EngineConfig
@@ -93,6 +98,7 @@ class AsyncEngine:
         self.loop_error: str | None = None
         self.on_fatal = None  # called (with the reason) when the engine can never step again
         self.on_ready = None  # called (with the LLMEngine) once the model is loaded
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,7 +130,11 @@ class AsyncEngine:
                 stopped = False
         if self.engine is not None and stopped:
             self.engine.shutdown()  # tensor-parallel workers, if any
+        self._thread.shutdown(wait=False)
         return stopped
+
+    async def _in_engine_thread(self, fn: Callable, *args: object) -> object:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
 
     @property
     def ready(self) -> bool:
@@ -255,7 +265,7 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         try:
-            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.engine = await self._in_engine_thread(LLMEngine, self.config)
             self.stats = self.engine.stats()
         except Exception as e:  # noqa: BLE001
             self.load_error = f"{type(e).__name__}: {e}"
@@ -270,7 +280,7 @@ class AsyncEngine:
         while True:
             if self._ops:
                 ops, self._ops = self._ops, []
-                settled, outs = await asyncio.to_thread(self._apply_ops, ops)
+                settled, outs = await self._in_engine_thread(self._apply_ops, ops)
                 for fut, result in settled:
                     if fut.done():
                         continue
@@ -280,19 +290,19 @@ class AsyncEngine:
                         fut.set_result(result)
                 for out in outs:
                     self._deliver(out)
-                self.stats = await asyncio.to_thread(self.engine.stats)
+                self.stats = await self._in_engine_thread(self.engine.stats)
             if self._stopping and not self._ops and not self.engine.has_unfinished_requests():
                 return
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
                 if not self._ops:
-                    await asyncio.to_thread(release_freed_memory)  # idle: what a burst took goes back
+                    await self._in_engine_thread(release_freed_memory)  # idle: what a burst took goes back
                     if not self._ops:
                         await self._wake.wait()
                 continue
             steps = self.engine.num_steps
             try:
-                outs, self.stats = await asyncio.to_thread(self._step)
+                outs, self.stats = await self._in_engine_thread(self._step)
             except Exception as e:
                 log.exception("engine step failed")
                 self.loop_error = f"{type(e).__name__}: {e}"

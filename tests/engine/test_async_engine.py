@@ -103,3 +103,43 @@ def test_stop_gives_up_on_a_step_that_never_returns(llama_dir):
         release.set()
 
     asyncio.run(main())
+
+
+def test_the_engine_runs_in_one_thread_of_its_own(llama_dir, monkeypatch):
+    """Load, adds, steps and stats all run in one thread that is not the event loop's: each thread that runs
+    the kernels gets an OpenMP team, and with more team threads than cores the idle workers sleep between
+    kernel calls. Other work in the loop's default executor (a handler's tokenization) does not move it."""
+    import threading
+
+    import pagedllm.engine.async_engine as ae
+
+    seen: set[threading.Thread] = set()
+
+    class Recording(ae.LLMEngine):
+        def __init__(self, *a, **kw) -> None:
+            seen.add(threading.current_thread())
+            super().__init__(*a, **kw)
+
+        def step(self):
+            seen.add(threading.current_thread())
+            return super().step()
+
+        def add_request(self, *a, **kw):
+            seen.add(threading.current_thread())
+            return super().add_request(*a, **kw)
+
+    monkeypatch.setattr(ae, "LLMEngine", Recording)
+
+    async def main() -> None:
+        eng = await started(llama_dir)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        busy = [asyncio.to_thread(threading.Event().wait, 0.02) for _ in range(8)]  # the default pool's threads
+        streams = []
+        for i in range(4):
+            streams += await eng.add([NewRequest(f"t{i}", {"prompt_token_ids": [1, 2, 3 + i]}, params)])
+        await asyncio.gather(*busy, *(collect(eng, s) for s in streams))
+        await eng.stop()
+
+    asyncio.run(main())
+    (thread,) = seen
+    assert thread is not threading.main_thread() and thread.name.startswith("pagedllm-engine")
