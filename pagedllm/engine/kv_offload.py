@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -278,10 +279,11 @@ class KVOffloader:
                     data = self.store.get(key, tokens, self.payload_bytes)
                     if data is None:
                         break
-                    src = torch.frombuffer(data, dtype=torch.uint8)
                     off = 0
                     for pool, size in zip(self.pools, self.block_bytes):
-                        pool[bid].view(-1).copy_(src[off:off + size])
+                        # numpy's copy, not torch's: a torch copy of 32 KiB or more runs an OpenMP team of this
+                        # thread's own, and with more team threads than cores the engine's idle workers sleep
+                        pool[bid].view(-1).numpy()[:] = np.frombuffer(data, np.uint8, size, off)
                         off += size
                     n += 1
             except Exception:

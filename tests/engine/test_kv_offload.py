@@ -175,3 +175,33 @@ assert store.counters.corrupt_files == 0
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(4)]
     assert [p.wait(timeout=120) for p in procs] == [0] * 4
     assert len(list(Path(tmp_path).glob("*/*/*.kv"))) == 40 and not list(Path(tmp_path).glob("*/*/*.tmp"))
+
+
+def test_the_tier_threads_copy_without_an_openmp_team_of_their_own(tmp_path):
+    """A torch copy of a block this size runs on OpenMP; in the loader thread that makes a second team, and with
+    more team threads than cores OpenMP's idle workers sleep between the engine's kernel calls. The tier copies
+    with numpy: a load starts no thread, and the blocks come back bit for bit."""
+    import torch
+
+    from pagedllm.engine.kv_offload import KVOffloader
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).add_(1)  # the test thread's own team, before counting
+    g = torch.Generator().manual_seed(0)
+    pools = [torch.randint(0, 256, (8, 1 << 16), generator=g, dtype=torch.uint8) for _ in range(2)]  # 64 KiB blocks
+    want = [p[[1, 2]].clone() for p in pools]
+    off = KVOffloader(DiskStore(tmp_path, "fp", 1 << 30), pools)
+    blocks = [(bytes([i]) * 16, i, (i,)) for i in (1, 2)]
+    off.save(blocks)
+    off._saves.join()
+    for p in pools:
+        p[[1, 2]] = 0
+    before = threads()
+    off.load("r", [(k, bid + 4, t) for k, bid, t in blocks])
+    assert off.poll(timeout=30) == [("r", 2)]
+    assert threads() == before
+    for p, w in zip(pools, want):
+        assert torch.equal(p[[5, 6]], w)
