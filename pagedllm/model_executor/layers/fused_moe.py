@@ -16,6 +16,7 @@ from torch import nn
 from ...distributed import TPGroup
 from .backends import Activation
 from .linear import PackedLinear
+from .module import InferenceModule
 
 
 class Expert(nn.Module):
@@ -25,7 +26,7 @@ class Expert(nn.Module):
         self.down_proj = PackedLinear(intermediate_size, hidden_size, bias)
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(InferenceModule):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, bias: bool = False, act: Activation = "silu") -> None:
         """bias: the router and the experts' linears have biases (gpt-oss); act: the experts' gated activation."""

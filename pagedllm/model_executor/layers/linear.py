@@ -9,10 +9,11 @@ from torch import nn
 
 from ...distributed import TPGroup
 from ...platforms.cpu import Ops
+from .module import InferenceModule
 from .weight_formats import DensePanels, GGMLWeight, PackedWeight
 
 
-class PackedLinear(nn.Linear):
+class PackedLinear(InferenceModule, nn.Linear):
     """nn.Linear whose matmul runs on `packed` once the loader or the kernels set one (else F.linear on
     `weight`). reduce: a row-parallel layer's group (its partial sums are all-reduced); gather: a
     vocab-parallel output's group (the ranks' columns are all-gathered)."""
@@ -62,7 +63,7 @@ class PackedLinear(nn.Linear):
         return out
 
 
-class VocabEmbedding(nn.Embedding):
+class VocabEmbedding(InferenceModule, nn.Embedding):
     """The token table, dense or `packed` (a GGML table looked up row by row); under tensor parallelism each
     rank holds the rows of its `vocab_range` and the lookups are summed across ranks."""
 

@@ -21,13 +21,14 @@ from ..kv_cache import KVCache
 from ..layers.backends import Activation, Backend, TorchReference, backend_for
 from ..layers.fused_moe import FusedMoE
 from ..layers.linear import PackedLinear, VocabEmbedding
+from ..layers.module import InferenceModule
 from ..layers.rotary import llama3_scaling_from_factors, rope_attention_scale, rope_inv_freq
 from ..layers.weight_formats import GGMLWeight, PackedWeight
 from .config import GGUFInfo, ModelConfig
 from .weight_names import Linear, Param, Part, WeightNames, has_module
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(InferenceModule):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -62,7 +63,7 @@ def stack_experts(sd: dict[str, torch.Tensor], prefix: str, name: str) -> torch.
     return torch.stack(parts) if parts else None
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(InferenceModule):
     def __init__(self, cfg: ModelConfig, biases: frozenset[str] = frozenset(), index: int = 0) -> None:
         """index: the layer's place in the stack (a mixture-of-experts model may keep dense MLPs in some)."""
         super().__init__()
