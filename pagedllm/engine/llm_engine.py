@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Any
 
@@ -93,6 +94,8 @@ class LLMEngine:
         if self.spec is None:  # a speculating step scores several rows a sequence: never a captured decode
             self.executor.capture_decode_graphs(max_seqs, max_len)
         self.offload = None  # the prefix cache's disk tier (kv_offload.py)
+        self._step_thread: int | None = None  # the thread of the last step (steps that hop are warned of, once)
+        self._warned_thread = False
         if config.kv_offload_dir is not None:
             self.offload = open_offload(config, self.runner, loaded.dtype, kv_dtype, bs)
             self.scheduler.offload = self.offload.store.leading_hits
@@ -184,7 +187,18 @@ class LLMEngine:
         return bool(self.groups)
 
     # ---- the step ------------------------------------------------------------------------
+    def _check_step_thread(self) -> None:
+        me = threading.get_ident()
+        if self._step_thread not in (None, me) and not self._warned_thread:
+            log.warning("LLMEngine.step ran in another thread than the step before it. Each thread that runs the CPU "
+                        "kernels keeps an OpenMP team of its own, and with more team threads than cores OpenMP puts "
+                        "its idle workers to sleep between kernel calls: steps slow down several-fold. Call the "
+                        "engine (or an LLM) from one thread, e.g. a single-worker executor.")
+            self._warned_thread = True
+        self._step_thread = me
+
     def step(self) -> list[RequestOutput]:
+        self._check_step_thread()
         if self.spec is not None:
             self._propose()
         if self.offload is not None:

@@ -233,3 +233,22 @@ def test_kv_snapshot_matches_the_engine_between_steps(llama_dir):
     idle = llm.kv_snapshot()
     assert idle["requests"] == [] and idle["pool"]["state"].count(2) == idle["pool"]["state"].count(3) == 0
     assert idle["pool"]["cached_free"] == idle["stats"]["kv_blocks_cached_free"] > 0
+
+
+def test_steps_from_another_thread_are_warned_of_once(llama_dir, caplog):
+    """A step in another thread than the one before it gets one warning (OpenMP keeps a team per thread that runs
+    the kernels; more team threads than cores put the idle workers to sleep between kernel calls)."""
+    import threading
+
+    engine = LLM(llama_dir, num_kv_blocks=32, block_size=16).engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        engine.step()
+        engine.step()
+        assert "another thread" not in caplog.text
+        for _ in range(2):
+            t = threading.Thread(target=engine.step)
+            t.start()
+            t.join()
+    assert caplog.text.count("LLMEngine.step ran in another thread") == 1
