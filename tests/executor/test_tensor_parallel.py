@@ -115,6 +115,28 @@ def test_a_layer_kind_whose_kv_heads_do_not_cut_is_a_startup_error(tiny_models):
         LLM(tiny_models["gemma4"][0], tensor_parallel_size=2)
 
 
+def test_each_rank_takes_its_share_of_the_cores(tiny_models, monkeypatch):
+    """The driver's threads are its share too (its default of every core put two compute threads on the core a
+    worker runs on); one rank a node under torchrun takes every core of its node."""
+    import torch
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.executor.tp import threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    with LLM(tiny_models["llama"][0], tensor_parallel_size=2, dtype="float32") as tp:
+        assert torch.get_num_threads() == max(1, cores // 2)
+        assert tp.generate(_prompts(3)[:1], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+    assert torch.get_num_threads() == before  # the process's count again after shutdown
+    config = EngineConfig(model=tiny_models["llama"][0])
+    assert threads_per_rank(config, 4) == max(1, cores // 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert threads_per_rank(config, 4) == cores
+    config.num_threads = 3
+    assert threads_per_rank(config, 4) == 3
+
+
 def test_a_killed_worker_fails_the_step_and_the_engine_shuts_down(tiny_models):
     llm = LLM(tiny_models["llama"][0], tensor_parallel_size=2, **OPTIONS)
     try:
