@@ -118,6 +118,18 @@ def test_parts_of_different_formats_stack_along_the_outputs(ops, m: int) -> None
     assert torch.equal(y, torch.cat(singles, dim=1) + bias)
 
 
+@pytest.mark.parametrize("m,decode_rows", [(1, 1), (5, 5), (40, 0), (300, 0)])
+def test_the_fused_gate_up_call_is_the_two_calls(ops, m: int, decode_rows: int) -> None:
+    """linear_ggml_silu_mul writes exactly silu_and_mul(linear_ggml(...)) on every path (the dot, the tiles, the
+    panels), for a gate and an up part of different formats, with a bias."""
+    k = 256
+    parts = [torch.from_numpy(random_blocks(T.Q4_K, 48, k, seed=4)), torch.from_numpy(random_blocks(T.Q8_0, 48, k, seed=5))]
+    args = (parts, [int(T.Q4_K), int(T.Q8_0)], [48, 48], torch.randn(96), 96, decode_rows)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4))
+    fused = ops.linear_ggml_silu_mul(x, *args)
+    assert fused.shape == (m, 48) and torch.equal(fused, ops.silu_and_mul(ops.linear_ggml(x, *args)))
+
+
 REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4]
 
 

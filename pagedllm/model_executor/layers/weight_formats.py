@@ -119,6 +119,10 @@ class GGMLWeight(PackedWeight):
         return self.ops.linear_ggml(x, self._weights, self._types, self.rows_per_part, self.bias, self.out_features,
                                     decode_rows)
 
+    def matmul_silu_and_mul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
+        return self.ops.linear_ggml_silu_mul(x, self._weights, self._types, self.rows_per_part, self.bias,
+                                             self.out_features, decode_rows)
+
     def dequantize(self) -> Tensor:
         return torch.cat([self.ops.dequantize_ggml(w, t, self.in_features, n, None)
                           for w, t, n in zip(self._weights, self._types, self.rows_per_part)])
