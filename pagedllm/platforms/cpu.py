@@ -79,6 +79,7 @@ class Ops:
     linear_bf16_isa: str
     linear_ggml: object
     linear_ggml_silu_mul: object
+    linear_ggml_normed: object
     dequantize_ggml: object
     linear_ggml_isa: str
     ggml_repacks: object
@@ -202,8 +203,8 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
     return Ops(mod.paged_attention, mod.attention_qkv, mod.attend_chunks, mod.packed_linear, mod.silu_and_mul,
                mod.rms_norm, mod.rope_, mod.argmax_rows, mod.pack_bf16, mod.linear_bf16,
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
-               mod.linear_ggml, mod.linear_ggml_silu_mul, mod.dequantize_ggml, mod.linear_ggml_isa(), mod.ggml_repacks,
-               mod.repack_ggml,
+               mod.linear_ggml, mod.linear_ggml_silu_mul, mod.linear_ggml_normed, mod.dequantize_ggml,
+               mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
                mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts)
 
 

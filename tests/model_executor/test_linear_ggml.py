@@ -130,6 +130,26 @@ def test_the_fused_gate_up_call_is_the_two_calls(ops, m: int, decode_rows: int) 
     assert fused.shape == (m, 48) and torch.equal(fused, ops.silu_and_mul(ops.linear_ggml(x, *args)))
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("m,decode_rows", [(1, 1), (40, 0)])
+def test_the_normed_call_is_the_norm_then_the_linear(ops, m: int, decode_rows: int, silu: bool,
+                                                     with_residual: bool) -> None:
+    """linear_ggml_normed: rms_norm (x added into the residual in place first, where given), then linear_ggml, then
+    silu_and_mul where asked; the same bits and the same residual as those calls one by one."""
+    k = 256
+    g = torch.Generator().manual_seed(6)
+    parts = [torch.from_numpy(random_blocks(T.Q4_0, 48, k, seed=6)), torch.from_numpy(random_blocks(T.Q6_K, 48, k, seed=7))]
+    args = (parts, [int(T.Q4_0), int(T.Q6_K)], [48, 48], None, 96, decode_rows)
+    x, w = torch.randn(m, k, generator=g), torch.rand(k, generator=g) + 0.5
+    res_a = torch.randn(m, k, generator=g) if with_residual else None
+    res_b = res_a.clone() if with_residual else None
+    fused = ops.linear_ggml_normed(x, res_a, w, 1e-6, *args, silu)
+    y = ops.linear_ggml(ops.rms_norm(x, w, 1e-6, res_b), *args)
+    assert torch.equal(fused, ops.silu_and_mul(y) if silu else y)
+    assert not with_residual or torch.equal(res_a, res_b)
+
+
 REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4]
 
 

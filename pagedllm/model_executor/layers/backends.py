@@ -121,6 +121,19 @@ class TorchReference(_QKNorm):
         out = gate_up(h) if gate_up.packed is None else gate_up.packed.matmul(h, decode_rows)
         return glu(out, act)
 
+    def norm_linear(self, norm: nn.Module, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                    decode_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(residual + x)), residual + x): a layer's norm and the projection it feeds (a backend may run
+        them as one call)."""
+        h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
+        return linear(h, decode_rows), residual
+
+    def norm_gate_up_act(self, norm: nn.Module, gate_up: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                         decode_rows: int, act: Activation = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_act of norm(residual + x), residual + x)."""
+        h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
+        return self.gate_up_act(gate_up, h, decode_rows, act), residual
+
 
 class CpuKernels(_QKNorm):
     name = "cpu"
@@ -190,6 +203,25 @@ class CpuKernels(_QKNorm):
         if act == "silu":  # every linear is packed with the kernels
             return gate_up.packed.matmul_silu_and_mul(h, decode_rows)
         return glu(gate_up.packed.matmul(h, decode_rows), act)
+
+    def norm_linear(self, norm: nn.Module, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                    decode_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight format takes the norm into its call where it can (a decode step of a small model is ~200 op
+        calls, and the Python between two calls costs more than a norm); a linear whose ranks communicate keeps
+        its own call."""
+        if linear.reduce is not None or linear.gather is not None:
+            h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
+            return linear(h, decode_rows), residual
+        y = linear.packed.matmul_normed(x, residual, norm.weight, norm.eps, decode_rows)
+        return y, x if residual is None else residual
+
+    def norm_gate_up_act(self, norm: nn.Module, gate_up: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                         decode_rows: int, act: Activation = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+        if act != "silu" or gate_up.reduce is not None or gate_up.gather is not None:
+            h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
+            return self.gate_up_act(gate_up, h, decode_rows, act), residual
+        y = gate_up.packed.matmul_normed(x, residual, norm.weight, norm.eps, decode_rows, silu=True)
+        return y, x if residual is None else residual
 
 
 def _ggml_expert_args(moe: nn.Module) -> tuple | None:

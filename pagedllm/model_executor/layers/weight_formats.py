@@ -41,6 +41,14 @@ class PackedWeight:
         can apply it to its own output tiles overrides this."""
         return self.ops.silu_and_mul(self.matmul(x, decode_rows))
 
+    def matmul_normed(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, decode_rows: int = -1,
+                      silu: bool = False) -> Tensor:
+        """This linear of RMSNorm(x) with norm_weight, x first added into residual in place where one is given (the
+        C++ rms_norm's contract); silu(gate) * up of it where silu. A format whose kernel can take the norm in the
+        same call overrides this."""
+        h = self.ops.rms_norm(x, norm_weight, eps, residual)
+        return self.matmul_silu_and_mul(h, decode_rows) if silu else self.matmul(h, decode_rows)
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -122,6 +130,11 @@ class GGMLWeight(PackedWeight):
     def matmul_silu_and_mul(self, x: Tensor, decode_rows: int = -1) -> Tensor:
         return self.ops.linear_ggml_silu_mul(x, self._weights, self._types, self.rows_per_part, self.bias,
                                              self.out_features, decode_rows)
+
+    def matmul_normed(self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, decode_rows: int = -1,
+                      silu: bool = False) -> Tensor:
+        return self.ops.linear_ggml_normed(x, residual, norm_weight, eps, self._weights, self._types,
+                                           self.rows_per_part, self.bias, self.out_features, decode_rows, silu)
 
     def dequantize(self) -> Tensor:
         return torch.cat([self.ops.dequantize_ggml(w, t, self.in_features, n, None)

@@ -89,8 +89,13 @@ class DecoderLayer(InferenceModule):
         self.backend: Backend = TorchReference()
 
     def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
-        """q, k and v of the normalized input, before rope (a family that normalizes q and k does it here)."""
-        return self.qkv_proj(h, decode_rows)
+        """q, k and v of the normalized input, before rope."""
+        return self.finish_qkv(self.qkv_proj(h, decode_rows))
+
+    def finish_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The projection's output [T, (H + 2 KVH) D] made q, k and v (a family that normalizes q and k does it
+        here)."""
+        return qkv
 
     def feed_forward(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
         """The MLP (or the experts) on the normalized input: [T, hidden] -> [T, hidden]."""
@@ -103,20 +108,34 @@ class DecoderLayer(InferenceModule):
                        meta: AttentionMetadata) -> torch.Tensor:
         """The normalized input [T, hidden] -> the attention block's output [T, hidden] (after o_proj)."""
         nd = meta.num_decode_rows  # the leading rows compute output tokens: a weight format may choose its path by them
-        qkv = self.project_qkv(h, nd)  # [T, q_size + 2 * kv_size]
+        return self.attend_qkv(self.project_qkv(h, nd), cos, sin, cache, meta)
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """q, k and v [T, q_size + 2 * kv_size] -> the attention block's output [T, hidden] (after o_proj)."""
         a = self.backend.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
                                    self.scale, self.sinks)  # [T, H, D]
-        return self.o_proj(a.view(h.shape[0], self.q_size), nd)
+        return self.o_proj(a.view(qkv.shape[0], self.q_size), meta.num_decode_rows)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this layer's input delta, residual: the stream before it (None at layer 0); cos, sin: the
-        backend's rope tables. Returns (mlp output, residual)."""
+        backend's rope tables. Returns (mlp output, residual). Where the layer projects and feeds forward as this
+        class does, each norm goes to the backend with the projection it feeds (one op call on the CPU)."""
         meta = meta.for_window(self.sliding_window)
-        h, residual = self.input_layernorm(x, residual, self.backend)
-        o = self.self_attention(h, cos, sin, cache, meta)
-        h, residual = self.post_attention_layernorm(o, residual, self.backend)
-        return self.feed_forward(h, meta.num_decode_rows), residual
+        nd, be, cls = meta.num_decode_rows, self.backend, type(self)
+        if cls.project_qkv is DecoderLayer.project_qkv and cls.self_attention is DecoderLayer.self_attention:
+            qkv, residual = be.norm_linear(self.input_layernorm, self.qkv_proj, x, residual, nd)
+            o = self.attend_qkv(self.finish_qkv(qkv), cos, sin, cache, meta)
+        else:
+            h, residual = self.input_layernorm(x, residual, be)
+            o = self.self_attention(h, cos, sin, cache, meta)
+        if self.mlp is None and cls.feed_forward is DecoderLayer.feed_forward:
+            act, residual = be.norm_gate_up_act(self.post_attention_layernorm, self.gate_up_proj, o, residual, nd,
+                                                self.act)  # [T, intermediate]
+            return self.down_proj(act, nd), residual
+        h, residual = self.post_attention_layernorm(o, residual, be)
+        return self.feed_forward(h, nd), residual
 
 
 class LlamaForCausalLM(nn.Module):

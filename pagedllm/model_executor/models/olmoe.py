@@ -28,8 +28,7 @@ class OlmoeDecoderLayer(DecoderLayer):
         self.clip_qkv = cfg.clip_qkv
         self.tp: TPGroup | None = None
 
-    def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
-        qkv = self.qkv_proj(h, decode_rows)  # [T, (H + 2 KVH) D]
+    def finish_qkv(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (H + 2 KVH) D]
         q, k = qkv[:, :self.q_size].contiguous(), qkv[:, self.q_size:self.q_size + self.kv_size].contiguous()
         if self.tp is None:
             qkv[:, :self.q_size] = self.q_norm(q, None, self.backend)[0]

@@ -19,10 +19,9 @@ class Qwen3DecoderLayer(DecoderLayer):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def project_qkv(self, h: torch.Tensor, decode_rows: int) -> torch.Tensor:
-        qkv = self.qkv_proj(h, decode_rows)  # [T, (H + 2 KVH) D]
+    def finish_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
         self.backend.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads,
-                             self.num_kv_heads, self.head_dim)
+                             self.num_kv_heads, self.head_dim)  # in place in qkv [T, (H + 2 KVH) D]
         return qkv
 
 

@@ -126,6 +126,17 @@ torch::Tensor linear_ggml_silu_mul(torch::Tensor x, std::vector<torch::Tensor> w
   return silu_and_mul(linear_ggml(x, std::move(ws), std::move(types), std::move(rows), bias, O, decode_rows));
 }
 
+// A layer's norm (after residual += x, in place) and the ggml projection it feeds, then silu(gate) * up where asked:
+// one op call where there were two or three
+torch::Tensor linear_ggml_normed(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor norm_w,
+                                 double eps, std::vector<torch::Tensor> ws, std::vector<int64_t> types,
+                                 std::vector<int64_t> rows, c10::optional<torch::Tensor> bias, int64_t O,
+                                 int64_t decode_rows, bool silu) {
+  torch::Tensor y = linear_ggml(rms_norm(x, norm_w, eps, residual), std::move(ws), std::move(types), std::move(rows),
+                                bias, O, decode_rows);
+  return silu ? silu_and_mul(y) : y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_rows_", &mask_rows_, "logits[r, t] = -inf where bit t of bitmask[r] is clear, rows in place (fp32, CPU)");
   m.def("quantize_kv_", &quantize_kv_, "rows [T, KVH, D] quantized into a q8_0 / q4_0 pool at slots (CPU)");
@@ -162,6 +173,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_ggml_silu_mul", &linear_ggml_silu_mul, "silu(gate) * up of linear_ggml's [M, O] (O = 2 I): [M, I]",
         py::arg("x"), py::arg("ws"), py::arg("types"), py::arg("rows"), py::arg("bias"), py::arg("O"),
         py::arg("decode_rows") = -1);
+  m.def("linear_ggml_normed", &linear_ggml_normed, "linear_ggml of rms_norm(x) (x added into residual first, in "
+        "place), silu(gate) * up of it where silu",
+        py::arg("x"), py::arg("residual"), py::arg("norm_w"), py::arg("eps"), py::arg("ws"), py::arg("types"),
+        py::arg("rows"), py::arg("bias"), py::arg("O"), py::arg("decode_rows"), py::arg("silu"));
   m.def("dequantize_ggml", &dequantize_ggml, "rows of a ggml block format (or repacked) -> fp32 [rows or ids, K]");
   m.def("ggml_repacks", &ggml_repacks, "whether this CPU runs a ggml type repacked into 16-row groups");
   m.def("repack_ggml", &repack_ggml, "[O, row_bytes] -> 16-row groups [ceil(O / 16), K / 32, bytes] (Q4_0 Q4_1 Q8_0)");
