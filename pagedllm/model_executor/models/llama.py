@@ -111,7 +111,7 @@ class DecoderLayer(InferenceModule):
         return self.attend_qkv(self.project_qkv(h, nd), cos, sin, cache, meta)
 
     def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
+                   meta: AttentionMetadata) -> torch.Tensor:
         """q, k and v [T, q_size + 2 * kv_size] -> the attention block's output [T, hidden] (after o_proj)."""
         a = self.backend.attention(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim, cache, meta,
                                    self.scale, self.sinks)  # [T, H, D]
