@@ -2,9 +2,11 @@
 of 1 thread), and the bytes all-reduced per token per layer, on a random-weight Llama whose heads
 divide by 2 (hidden 1024, 16 heads / 4 KV heads, 12 layers, MLP 2816, vocab 32000; fp32 weights,
 dense). Greedy, 8 sequences of 64-token prompts, 32 decode steps timed (median), engines alternated.
-Run: .venv/bin/python benchmarks/tp_step_time.py [out.json]"""
+Run: .venv/bin/python benchmarks/tp_step_time.py [out.json]; TP_THREADS=default leaves the TP=2 engine's num_threads
+unset (each rank then takes its share of the cores itself)."""
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -46,11 +48,16 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as d:
         build(d)
         one = LLM(d, dtype="float32", num_threads=2, max_model_len=512, enable_prefix_caching=False)
-        two = LLM(d, dtype="float32", num_threads=1, max_model_len=512, tensor_parallel_size=2,
-                  enable_prefix_caching=False)
+        threads = {} if os.environ.get("TP_THREADS") == "default" else {"num_threads": 1}
+        two = LLM(d, dtype="float32", max_model_len=512, tensor_parallel_size=2, enable_prefix_caching=False, **threads)
+        # the thread count is the process's: the TP=2 driver's (set as it started) would otherwise run TP=1 too
+        driver_threads = torch.get_num_threads()
         for batch in (1, 8):
-            decode_steps(one, batch, 4), decode_steps(two, batch, 4)  # warm-up
+            torch.set_num_threads(2)
+            decode_steps(one, batch, 4)  # warm-up
             t1, o1 = decode_steps(one, batch)
+            torch.set_num_threads(driver_threads)
+            decode_steps(two, batch, 4)
             tp = two.engine.executor.group
             r0, g0 = tp.bytes_all_reduced, tp.bytes_gathered
             t2, o2 = decode_steps(two, batch)

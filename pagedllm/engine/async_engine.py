@@ -98,7 +98,7 @@ class AsyncEngine:
         self.loop_error: str | None = None
         self.on_fatal = None  # called (with the reason) when the engine can never step again
         self.on_ready = None  # called (with the LLMEngine) once the model is loaded
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-engine")
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,11 +130,11 @@ class AsyncEngine:
                 stopped = False
         if self.engine is not None and stopped:
             self.engine.shutdown()  # tensor-parallel workers, if any
-        self._thread.shutdown(wait=False)
+        self._executor.shutdown(wait=False)
         return stopped
 
     async def _in_engine_thread(self, fn: Callable, *args: object) -> object:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     @property
     def ready(self) -> bool:

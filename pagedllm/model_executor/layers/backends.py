@@ -122,17 +122,10 @@ class TorchReference(_QKNorm):
         return glu(out, act)
 
     def norm_linear(self, norm: nn.Module, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
-                    decode_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    decode_rows: int, act: Activation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(residual + x)), residual + x): a layer's norm and the projection it feeds (a backend may run
-        them as one call)."""
-        h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
-        return linear(h, decode_rows), residual
-
-    def norm_gate_up_act(self, norm: nn.Module, gate_up: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
-                         decode_rows: int, act: Activation = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_act of norm(residual + x), residual + x)."""
-        h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
-        return self.gate_up_act(gate_up, h, decode_rows, act), residual
+        them as one call); with act, the projection is a gate_up and gate_up_act's output is returned."""
+        return _norm_then_linear(self, norm, linear, x, residual, decode_rows, act)
 
 
 class CpuKernels(_QKNorm):
@@ -205,23 +198,22 @@ class CpuKernels(_QKNorm):
         return glu(gate_up.packed.matmul(h, decode_rows), act)
 
     def norm_linear(self, norm: nn.Module, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
-                    decode_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    decode_rows: int, act: Activation | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The weight format takes the norm into its call where it can (a decode step of a small model is ~200 op
-        calls, and the Python between two calls costs more than a norm); a linear whose ranks communicate keeps
-        its own call."""
-        if linear.reduce is not None or linear.gather is not None:
-            h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
-            return linear(h, decode_rows), residual
-        y = linear.packed.matmul_normed(x, residual, norm.weight, norm.eps, decode_rows)
+        calls, and the Python between two calls costs more than a norm); a linear whose ranks communicate, or a
+        gate_up of another activation, takes the two steps."""
+        if linear.reduce is not None or linear.gather is not None or act not in (None, "silu"):
+            return _norm_then_linear(self, norm, linear, x, residual, decode_rows, act)
+        y = linear.packed.matmul_normed(x, residual, norm.weight, norm.eps, decode_rows, silu=act == "silu")
         return y, x if residual is None else residual
 
-    def norm_gate_up_act(self, norm: nn.Module, gate_up: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None,
-                         decode_rows: int, act: Activation = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-        if act != "silu" or gate_up.reduce is not None or gate_up.gather is not None:
-            h, residual = self.rms_norm(norm.weight, norm.eps, x, residual)
-            return self.gate_up_act(gate_up, h, decode_rows, act), residual
-        y = gate_up.packed.matmul_normed(x, residual, norm.weight, norm.eps, decode_rows, silu=True)
-        return y, x if residual is None else residual
+
+def _norm_then_linear(backend: Backend, norm: nn.Module, linear: nn.Linear, x: torch.Tensor,
+                      residual: torch.Tensor | None, decode_rows: int,
+                      act: Activation | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_linear as two steps: the backend's rms_norm, then the linear (or its gate_up_act)."""
+    h, residual = backend.rms_norm(norm.weight, norm.eps, x, residual)
+    return (linear(h, decode_rows) if act is None else backend.gate_up_act(linear, h, decode_rows, act)), residual
 
 
 def _ggml_expert_args(moe: nn.Module) -> tuple | None:

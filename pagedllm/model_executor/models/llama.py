@@ -131,8 +131,8 @@ class DecoderLayer(InferenceModule):
             h, residual = self.input_layernorm(x, residual, be)
             o = self.self_attention(h, cos, sin, cache, meta)
         if self.mlp is None and cls.feed_forward is DecoderLayer.feed_forward:
-            act, residual = be.norm_gate_up_act(self.post_attention_layernorm, self.gate_up_proj, o, residual, nd,
-                                                self.act)  # [T, intermediate]
+            act, residual = be.norm_linear(self.post_attention_layernorm, self.gate_up_proj, o, residual, nd,
+                                           self.act)  # [T, intermediate]
             return self.down_proj(act, nd), residual
         h, residual = self.post_attention_layernorm(o, residual, be)
         return self.feed_forward(h, nd), residual
