@@ -187,13 +187,14 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
 @pytest.mark.slow
 def test_fallback_isa_paths(ops_avx2) -> None:
     """What a CPU without AVX-512 compiles (Zen 3: AVX2), built here by masking this CPU's flags: the
-    file layout only (nothing repacked), the same references as above. Steps of decodes alone take the
-    one-row dot under 16 rows and the tiled dot (int8 activations too) under 64; prompt rows and larger
-    steps fp32 panels (no bf16 arithmetic to gain from: the weights as ggml dequantizes them, x as it is), the
-    same bits for a row in a batch of any size. (The scalar path, for CPUs without AVX2, builds with -mno-avx2
-    too; measured once, not run every time: 1 minute.)"""
+    file layout (every format runs it; Q4_0 / Q4_1 / Q8_0 are repacked at load, below), the same references as
+    above. Steps of decodes alone take the one-row dot under 16 rows and the tiled dot (int8 activations too)
+    under 64; prompt rows and larger steps fp32 panels (no bf16 arithmetic to gain from: the weights as ggml
+    dequantizes them, x as it is), the same bits for a row in a batch of any size. (The scalar path, for CPUs
+    without AVX2, builds with -mno-avx2 too; measured once, not run every time: 1 minute.)"""
     mod = ops_avx2
-    assert mod.linear_ggml_isa == "avx2" and not mod.ggml_repacks(int(T.Q4_0))
+    assert mod.linear_ggml_isa == "avx2"
+    assert [t.name for t in REPACKABLE if mod.ggml_repacks(int(t))] == ["Q4_0", "Q4_1", "Q8_0"]
     k = 512
     for t in (T.Q4_0, T.Q4_1, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4):
         raw = random_blocks(t, 41, k, seed=int(t))  # an odd row count: the tiles' last weight row is alone
@@ -216,6 +217,58 @@ def test_fallback_isa_paths(ops_avx2) -> None:
         x = torch.randn(22, k, generator=torch.Generator().manual_seed(22))
         tiles = [mod.linear_ggml(x[:n], [torch.from_numpy(raw)], [int(t)], [41], None, 41, n) for n in (22, 17)]
         assert torch.equal(tiles[0][:17], tiles[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_repacked_groups_as_an_avx2_cpu_runs_them(ops_avx2, t: T) -> None:
+    """Q4_0 / Q4_1 / Q8_0 repacked on AVX2 (the 16-row groups read as halves of 8 rows, one row per lane): 37 rows =
+    two groups and 5 rows of a third, whose second half is all padding. Steps of decodes alone under 64 rows take
+    the integer dot (int8 activations, as the file layout's dot and tiles), each row the same bits in a step of any
+    size; prompt rows the fp32 panels, the same bits as from the file's layout."""
+    mod = ops_avx2
+    o, k = 37, 512
+    raw = torch.from_numpy(random_blocks(t, o, k, seed=int(t)))
+    packed = mod.repack_ggml(raw, int(t))
+    w = torch.from_numpy(dequantize(raw.numpy(), t).reshape(o, k)).double()
+    assert torch.equal(mod.dequantize_ggml(packed, int(t) + 1000, k, o, None), w.float())
+    bias = torch.randn(o, generator=torch.Generator().manual_seed(o))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(70))
+    for m, decode_rows in [(1, -1), (2, -1), (3, -1), (5, -1), (16, -1), (22, -1), (63, -1), (3, 0), (22, 0), (70, -1)]:
+        y = mod.linear_ggml(x[:m], [packed], [int(t) + 1000], [o], bias, o, decode_rows)
+        plain = mod.linear_ggml(x[:m], [raw], [int(t)], [o], bias, o, decode_rows)
+        if m < 64 and decode_rows != 0:
+            ref = quantized_activations(x[:m]) @ w.T + bias.double()
+            torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            one = mod.linear_ggml(x[m - 1:m], [packed], [int(t) + 1000], [o], bias, o, 1)
+            assert torch.equal(one[0], y[m - 1])  # a row's lanes do not depend on the rows beside it
+        else:
+            assert torch.equal(y, plain)
+
+
+@pytest.mark.slow
+def test_repacked_experts_as_an_avx2_cpu_runs_them(ops_avx2) -> None:
+    """The fused MoE op over experts repacked on AVX2 (each stage one parallel region over their groups, the int8
+    activations of each expert's rows gathered from the batch's) against the same experts in the file's layout:
+    the same int8 products, summed in another order."""
+    mod = ops_avx2
+    experts, hidden, inter = 4, 64, 32
+    gate_up = [torch.from_numpy(random_blocks(T.Q4_0, 2 * inter, hidden, seed=e)) for e in range(experts)]
+    down = [torch.from_numpy(random_blocks(T.Q8_0, hidden, inter, seed=10 + e)) for e in range(experts)]
+
+    def op(repack: bool):
+        gu = [mod.repack_ggml(w, int(T.Q4_0)) if repack else w for w in gate_up]
+        dn = [mod.repack_ggml(w, int(T.Q8_0)) if repack else w for w in down]
+        shift = 1000 if repack else 0
+        return mod.MoeExperts(gu, [int(T.Q4_0) + shift] * experts, [2 * inter] * experts, 1, dn,
+                              [int(T.Q8_0) + shift] * experts, [hidden] * experts, [], [], 0.0, 0.0)
+
+    h = torch.randn(9, hidden, generator=torch.Generator().manual_seed(9))
+    ids = torch.tensor([[e % experts, (e + 1) % experts] for e in range(9)])
+    wts = torch.rand(9, 2, generator=torch.Generator().manual_seed(1))
+    plain, repacked = op(False)(h, ids, wts), op(True)(h, ids, wts)
+    torch.testing.assert_close(repacked, plain, rtol=1e-4, atol=1e-4 * plain.abs().max().item())
+    assert torch.equal(op(True)(h[4:5], ids[4:5], wts[4:5])[0], repacked[4])
 
 
 @pytest.mark.parametrize("t", [T.Q4_1, T.Q8_0, T.Q4_K], ids=lambda t: t.name)

@@ -97,7 +97,7 @@ class DensePanels(PackedWeight):
 
 class GGMLWeight(PackedWeight):
     """Rows of ggml blocks, in parts stacked along the outputs: parts[i] is [O_i, row_bytes] uint8 as the
-    file stores it. Where this CPU runs a format repacked (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI: 16-row
+    file stores it. Where this CPU runs a format repacked (Q4_0 / Q4_1 / Q8_0 on AVX-512 VNNI and AVX2: 16-row
     groups, the same bytes per weight, csrc/linear_x16.cpp) the part is repacked once here; `repacked`
     says which, so the loader can drop the file's pages of those."""
 

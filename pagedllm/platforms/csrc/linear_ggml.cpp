@@ -575,6 +575,28 @@ void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, cons
   });
 }
 
+#if PAGEDLLM_F32_PREFILL
+// fp32 panels [K, 48] made by make_panel(p, panel) times x as it is (f32_tile.h's micro-kernel)
+template <class MakePanel>
+void f32_panel_sweep(const float* xf, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc, int64_t O,
+                     MakePanel&& make_panel) {
+  // the micro-kernel loads whole 8-column vectors of bias: a copy padded to whole panels, so the last, partial
+  // panel reads no further than its own
+  std::vector<float> bias_pad;
+  if (bc) {
+    bias_pad.assign((rows + f32::NR - 1) / f32::NR * f32::NR, 0.f);
+    std::copy(bc, bc + rows, bias_pad.begin());
+  }
+  sweep_panels<float>(M, K, rows, K * f32::NR, [&](int64_t p, float* panel, std::vector<float>&) {
+    make_panel(p, panel);
+  }, [&](int64_t p, const float* panel, int64_t m_lo, int64_t m_hi) {
+    const int64_t c0 = p * f32::NR;
+    f32::rows(xf + m_lo * K, m_hi - m_lo, K, panel, bc ? bias_pad.data() + c0 : nullptr, yc + m_lo * O + c0, O,
+              std::min(f32::NR, rows - c0));
+  });
+}
+#endif
+
 // y[:, col0 : col0 + rows] for one part in a plain (file) layout: F is its format; x16 parts are in
 // linear_x16.cpp, and both share the panel sweep below
 template <class F>
@@ -609,19 +631,8 @@ void linear_part(const QAct* a, const bf16::Pairs* xb, const float* xf, int64_t 
   }
 #if PAGEDLLM_F32_PREFILL
   (void)xb;
-  // the micro-kernel loads whole 8-column vectors of bias: a copy padded to whole panels, so the last, partial
-  // panel reads no further than its own
-  std::vector<float> bias_pad;
-  if (bc) {
-    bias_pad.assign((rows + f32::NR - 1) / f32::NR * f32::NR, 0.f);
-    std::copy(bc, bc + rows, bias_pad.begin());
-  }
-  sweep_panels<float>(M, K, rows, K * f32::NR, [&](int64_t p, float* panel, std::vector<float>&) {
+  f32_panel_sweep(xf, M, K, rows, bc, yc, O, [&](int64_t p, float* panel) {
     dequant_panel_f32<F>(wp, row_bytes, K, p * f32::NR, std::min(f32::NR, rows - p * f32::NR), panel);
-  }, [&](int64_t p, const float* panel, int64_t m_lo, int64_t m_hi) {
-    const int64_t c0 = p * f32::NR;
-    f32::rows(xf + m_lo * K, m_hi - m_lo, K, panel, bc ? bias_pad.data() + c0 : nullptr, yc + m_lo * O + c0, O,
-              std::min(f32::NR, rows - c0));
   });
 #else
   (void)xf;
@@ -716,17 +727,20 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
   bool any_plain = false, any_x16 = false;
   for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
 #if PAGEDLLM_TILED_DOT
-  const bool tiled = tiles && !dot && K % 32 == 0 && !any_x16;  // every plain part then runs on dot_tiles
+  const bool tiled = tiles && !dot && K % 32 == 0;  // every plain part then runs on dot_tiles
 #else
   const bool tiled = false;
+#endif
+#if PAGEDLLM_X16_AVX2
+  const bool x16dot = dot || (tiles && K % 32 == 0);  // repacked parts: the integer dot for such steps too
+#else
+  const bool x16dot = dot;
   (void)tiles;
 #endif
   if (K % 32 == 0 && (dot || tiled) && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K, tiled);
   X16Act a16;
-  if (K % 32 == 0 && dot && any_x16) a16 = x16_quantize(x.data_ptr<float>(), M, K);
-#if PAGEDLLM_F32_PREFILL
-  if (!dot && !tiled && any_x16) xb = bf16::pairs(x.data_ptr<float>(), M, K);  // plain parts read x as it is
-#else
+  if (K % 32 == 0 && x16dot && any_x16) a16 = x16_quantize(x.data_ptr<float>(), M, K);
+#if !PAGEDLLM_F32_PREFILL  // else every part's prompt rows read x as it is
   if (!dot && !tiled) xb = bf16::pairs(x.data_ptr<float>(), M, K);
 #endif
   int64_t col0 = 0;
@@ -736,12 +750,17 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
       TORCH_CHECK(x16_supported(t) && K % 32 == 0, "linear_ggml: repacked type ", t, " cannot run here");
       float* yc = yp + col0;
       const float* bc = b ? b + col0 : nullptr;
-      if (dot) {
+      if (x16dot) {
         x16_dot(t, ws[i], rows[i], a16, M, bc, yc, O);
       } else {
+#if PAGEDLLM_F32_PREFILL
+        f32_panel_sweep(x.data_ptr<float>(), M, K, rows[i], bc, yc, O,
+                        [&](int64_t p, float* panel) { x16_panel_f32(t, ws[i], K, p, panel); });
+#else
         panel_sweep(&xb, M, K, rows[i], bc, yc, O, [&](int64_t p, uint16_t* panel, std::vector<float>&) {
           x16_panel(t, ws[i], K, p, panel);
         });
+#endif
       }
     } else {
       dispatch(types[i], [&](auto f) {

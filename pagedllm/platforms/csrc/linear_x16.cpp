@@ -15,8 +15,16 @@
 // seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da.
 // Weights are streamed once; about 0.1 instructions per weight at one row of x.
 // Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma.
-// ISA: AVX512F + BW + VNNI (the panels' fast path: + AVX512-BF16); x16_supported() is false elsewhere
-// and the file's layout is used (linear_ggml.cpp).
+// ISA paths (compile-time):
+//   AVX512F + BW + VNNI: every type above as described (the panels' fast path: + AVX512-BF16);
+//   AVX2 + FMA + F16C: Q4_0 / Q4_1 / Q8_0, the same bytes read as two halves of 8 rows (bytes 0-31 of each 64-byte
+//     vector: rows 0-7; 32-63: rows 8-15), one row per 32-bit lane of a ymm register. Activations int8 (X16Act.q8);
+//     per chunk and half, a nibble vector's low and high nibbles each go through one vpmaddubsw with a broadcast
+//     4-value group of x, 8 of them summed in int16 (15 * 127 * 2 * 8 < 2^15), one vpmaddwd to int32 (Q8_0: the
+//     sign trick, |w| with x's signs flipped, to int32 per vector), one fma applies d * da: ~0.2 instructions per
+//     weight, where the file layout's dot needs scalar scale loads and a horizontal sum per row. Prompt rows take
+//     fp32 panels [K, 48] (AVX2 has no bf16 arithmetic): each k of 8 rows one shift, mask, convert and fma;
+//   elsewhere x16_supported() is false and the file's layout is used (linear_ggml.cpp).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -99,11 +107,21 @@ inline int quant_at(const uint8_t* qs, const Layout& L, int lane, int k) {
   return L.fp4 ? ggml::MXFP4::kValues[nib] : nib;
 }
 
+// weight k of row `lane` of group grp's chunk g, dequantized as ggml does
+inline float weight_at(const uint8_t* wp, const Layout& L, int64_t nch, int64_t grp, int64_t g, int lane, int k) {
+  const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
+  float d, m;
+  chunk_scale(c, L, g, lane, k / 16, &d, &m);
+  return d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
+}
+
 }  // namespace
 
 bool x16_supported(int64_t type) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if PAGEDLLM_X16_VNNI512
   return type == 2 || type == 3 || type == 8 || type == 12 || type == 14 || type == 39;
+#elif PAGEDLLM_X16_AVX2
+  return type == 2 || type == 3 || type == 8;
 #else
   (void)type;
   return false;
@@ -177,7 +195,13 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
   X16Act a;
   a.K = K;
   a.nch = K / 32;
+#if PAGEDLLM_X16_AVX2
+  constexpr bool kInt8 = true;
+  a.q8.resize(M * K);
+#else
+  constexpr bool kInt8 = false;
   a.q.resize(M * K);
+#endif
   a.d.resize(M * a.nch);
   a.s.resize(M * a.nch);
   a.sum.resize(M * a.nch);
@@ -187,14 +211,17 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
       for (int64_t g = 0; g < a.nch; ++g) {
         const float* xs = x + m * K + 32 * g;
         float id;
-        const float d = ggml::block_scale(xs, 32767.f, &id);
-        int16_t* q = a.q.data() + m * K + 32 * g;
+        const float d = ggml::block_scale(xs, kInt8 ? 127.f : 32767.f, &id);
         int32_t sum = 0, half[2] = {0, 0};
         for (int i = 0; i < 32; ++i) {
-          const int16_t v = static_cast<int16_t>(std::nearbyint(xs[i] * id));
-          q[(i & ~3) + (i & 1) * 2 + (i & 2) / 2] = v;  // in 4s: [0, 2, 1, 3]
-          sum += v;
-          half[i / 16] += v;
+          const float v = std::nearbyint(xs[i] * id);
+          if (kInt8) {
+            a.q8[m * K + 32 * g + i] = static_cast<int8_t>(v);
+          } else {
+            a.q[m * K + 32 * g + (i & ~3) + (i & 1) * 2 + (i & 2) / 2] = static_cast<int16_t>(v);  // in 4s: [0, 2, 1, 3]
+          }
+          sum += static_cast<int32_t>(v);
+          half[i / 16] += static_cast<int32_t>(v);
         }
         a.sum16[(m * a.nch + g) * 2] = half[0];
         a.sum16[(m * a.nch + g) * 2 + 1] = half[1];
@@ -223,20 +250,14 @@ torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows,
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t r = all ? i : ip[i], grp = r / 16;
       const int lane = static_cast<int>(r % 16);
-      for (int64_t g = 0; g < nch; ++g) {
-        const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
-        for (int k = 0; k < 32; ++k) {
-          float d, m;
-          chunk_scale(c, L, g, lane, k / 16, &d, &m);
-          op[i * K + 32 * g + k] = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
-        }
-      }
+      for (int64_t g = 0; g < nch; ++g)
+        for (int k = 0; k < 32; ++k) op[i * K + 32 * g + k] = weight_at(wp, L, nch, grp, g, lane, k);
     }
   });
   return out;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if PAGEDLLM_X16_VNNI512
 namespace {
 
 
@@ -363,6 +384,105 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
   }
 }
 
+}  // namespace
+#elif PAGEDLLM_X16_AVX2
+namespace {
+
+// The 8 rows of half h of a group's chunk against T activation rows t0 .. t0 + T - 1, one row per 32-bit lane.
+// Q4_0 / Q4_1: vector t's lane holds nibble bytes 4t .. 4t + 3 of its row, so its low nibbles are weights
+// 4t .. 4t + 3 (times x's int32 group t) and its high nibbles 16 + 4t .. (times group 4 + t).
+template <int TYPE, int T>
+inline void half_chunk(const uint8_t* c, int h, const X16Act& a, int64_t t0, int64_t g, __m256* acc) {
+  constexpr bool kQ8 = TYPE == 8, kMin = TYPE == 3;
+  constexpr int64_t QAT = TYPE == 3 ? 64 : 32;
+  const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * h)));
+  const int64_t K = a.K, nch = a.nch;
+  if constexpr (kQ8) {  // |w| times x with w's signs: int16 pairs up to 2 * 128 * 127, so to int32 each vector
+    __m256i isum[T];
+    for (int t = 0; t < T; ++t) isum[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {  // weights 4j .. 4j + 3 of each row, read once for the T rows of x
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + QAT + 64 * j + 32 * h));
+      const __m256i mag = _mm256_sign_epi8(raw, raw);
+      for (int t = 0; t < T; ++t) {
+        const int32_t pj = reinterpret_cast<const int32_t*>(a.q8.data() + (t0 + t) * K + 32 * g)[j];
+        const __m256i prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(pj), raw));
+        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256 da = _mm256_set1_ps(a.d[(t0 + t) * nch + g]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dv, da), acc[t]);
+    }
+    return;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256i w[8];  // [t]: weights 4t .. 4t + 3 of each row; [4 + t]: 16 + 4t ..
+  for (int t = 0; t < 4; ++t) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + QAT + 64 * t + 32 * h));
+    w[t] = _mm256_and_si256(raw, low4);
+    w[4 + t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+  }
+  const __m256 mv = kMin ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 + 16 * h)))
+                         : _mm256_setzero_ps();
+  for (int t = 0; t < T; ++t) {
+    const int64_t r = t0 + t;
+    const int32_t* p = reinterpret_cast<const int32_t*>(a.q8.data() + r * K + 32 * g);
+    // int16 lanes: two products of <= 15 * 127 each, 8 vectors of them summed: < 2^15
+    __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(p[0]));
+    __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(p[1]));
+    for (int j = 2; j < 8; j += 2) {
+      s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(p[j])));
+      s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[j + 1], _mm256_set1_epi32(p[j + 1])));
+    }
+    __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
+    if constexpr (!kMin) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-8 * a.sum[r * nch + g]));  // Q4_0: q - 8
+    const __m256 da = _mm256_set1_ps(a.d[r * nch + g]);
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dv, da), acc[t]);
+    if constexpr (kMin) acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[r * nch + g]), acc[t]);  // m * da * sum(qa)
+  }
+}
+
+// T activation rows against the groups [g_lo, g_hi). Up to 2 rows of x, both halves of a chunk together (2T
+// accumulators), so the prefetches kStreamAhead ahead run all the time; more rows, the halves one after the other
+// (the second finds the group's chunks in L1 / L2), as 4T accumulators and the unpacked weights would spill
+template <int TYPE, int T>
+void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const X16Act& a,
+                int64_t t0, const float* bias, float* y, int64_t O) {
+  static_assert(TYPE == 2 || TYPE == 3 || TYPE == 8, "the AVX2 repacked dot runs Q4_0, Q4_1 and Q8_0");
+  constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : 544;
+  constexpr int kTogether = T <= 2 ? 2 : 1;  // halves a pass
+  for (int64_t grp = g_lo; grp < g_hi; ++grp) {
+    const uint8_t* gw = wp + grp * nch * CB;
+    for (int h0 = 0; h0 < 2; h0 += kTogether) {
+      if (grp * 16 + 8 * h0 >= rows) break;
+      __m256 acc[kTogether][T];
+      for (int h = 0; h < kTogether; ++h)
+        for (int t = 0; t < T; ++t) acc[h][t] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < nch; ++g) {
+        const uint8_t* c = gw + g * CB;
+        if (h0 == 0)
+          for (int64_t l = 0; l < CB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(c + l + ggml::kStreamAhead), _MM_HINT_T0);
+        for (int h = 0; h < kTogether; ++h) half_chunk<TYPE, T>(c, h0 + h, a, t0, g, acc[h]);
+      }
+      for (int h = 0; h < kTogether; ++h) {
+        const int64_t n0 = grp * 16 + 8 * (h0 + h), live = std::min<int64_t>(8, rows - n0);
+        for (int t = 0; t < T; ++t) {
+          alignas(32) float out[8];
+          _mm256_store_ps(out, acc[h][t]);
+          float* yr = y + (t0 + t) * O + n0;
+          for (int64_t i = 0; i < live; ++i) yr[i] = out[i] + (bias ? bias[n0 + i] : 0.f);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+#if PAGEDLLM_X16_VNNI512 || PAGEDLLM_X16_AVX2
+namespace {
+
 template <int TYPE>
 void dot_range(const uint8_t* wp, int64_t nch, int64_t rows, const X16Act& a, int64_t M, const float* bias, float* y,
                int64_t O, int64_t lo, int64_t hi) {
@@ -388,14 +508,16 @@ void dot_all(const uint8_t* wp, int64_t nch, int64_t rows, const X16Act& a, int6
 
 void x16_dot_groups(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a, int64_t M, const float* bias,
                     float* y, int64_t O, int64_t g_lo, int64_t g_hi) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if PAGEDLLM_X16_VNNI512 || PAGEDLLM_X16_AVX2
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (type == 2) dot_range<2>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
   if (type == 3) dot_range<3>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
   if (type == 8) dot_range<8>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+#if PAGEDLLM_X16_VNNI512
   if (type == 12) dot_range<12>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
   if (type == 14) dot_range<14>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
   if (type == 39) dot_range<39>(wp, a.nch, rows, a, M, bias, y, O, g_lo, g_hi);
+#endif
 #else
   (void)type; (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O; (void)g_lo; (void)g_hi;
 #endif
@@ -406,14 +528,16 @@ void x16_dot(int64_t type, const torch::Tensor& w, int64_t rows, const X16Act& a
   TORCH_CHECK(x16_supported(type), "x16_dot: not compiled for this CPU");
   TORCH_CHECK(w.size(1) == a.nch, "linear_ggml: x [", M, ", ", a.K, "] does not match a repacked weight of ", w.size(1) * 32,
               " columns");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#if PAGEDLLM_X16_VNNI512 || PAGEDLLM_X16_AVX2
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (type == 2) dot_all<2>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 3) dot_all<3>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 8) dot_all<8>(wp, a.nch, rows, a, M, bias, y, O);
+#if PAGEDLLM_X16_VNNI512
   if (type == 12) dot_all<12>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 14) dot_all<14>(wp, a.nch, rows, a, M, bias, y, O);
   if (type == 39) dot_all<39>(wp, a.nch, rows, a, M, bias, y, O);
+#endif
 #else
   (void)w; (void)rows; (void)a; (void)M; (void)bias; (void)y; (void)O;
 #endif
@@ -475,15 +599,60 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint1
     for (int64_t g = 0; g < nch; ++g)
       for (int lane = 0; lane < 16; ++lane)
         for (int k = 0; k < 32; ++k) {
-          float v = 0.f;
-          if (grp < G) {
-            const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
-            float d, m;
-            chunk_scale(c, L, g, lane, k / 16, &d, &m);
-            v = d * static_cast<float>(quant_at(c + L.quant_at, L, lane, k)) + m;
-          }
+          const float v = grp < G ? weight_at(wp, L, nch, grp, g, lane, k) : 0.f;
           panel[(((32 * g + k) / 2) * bf16::NR + 16 * gi + lane) * 2 + k % 2] = bf16::to_bf16(v);
         }
+  }
+#endif
+}
+
+void x16_panel_f32(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, float* panel) {
+  const Layout L = layout(type);
+  const int64_t nch = w.size(1), G = w.size(0);
+  TORCH_CHECK(K == nch * 32, "linear_ggml: x has ", K, " columns, the repacked weight ", nch * 32);
+  TORCH_CHECK(!L.kquant && !L.fp4, "x16_panel_f32: Q4_0, Q4_1 and Q8_0 only");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  constexpr int64_t NR = 48;  // f32_tile.h's panel width: 3 groups = 6 halves of 8 rows
+#if PAGEDLLM_X16_AVX2
+  const __m256i low4 = _mm256_set1_epi32(0x0f);
+  for (int64_t hb = 0; hb < 6; ++hb) {  // half hb % 2 of group 3p + hb / 2: columns 8 hb .. 8 hb + 7
+    const int64_t grp = 3 * p + hb / 2;
+    const int h = static_cast<int>(hb % 2);
+    for (int64_t g = 0; g < nch; ++g) {
+      float* dst = panel + 32 * g * NR + 8 * hb;  // weight k of the chunk: + k * NR
+      if (grp >= G) {
+        for (int k = 0; k < 32; ++k) _mm256_storeu_ps(dst + k * NR, _mm256_setzero_ps());
+        continue;
+      }
+      // a last group's padded rows are zero blocks: they dequantize to 0
+      const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * h)));
+      const __m256 mv = L.has_min ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 + 16 * h)))
+                      : L.is_q8   ? _mm256_setzero_ps()
+                                  : _mm256_mul_ps(dv, _mm256_set1_ps(-8.f));
+      for (int k = 0; k < 32; ++k) {
+        __m256i q;
+        if (L.is_q8) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + L.quant_at + 64 * (k / 4) + 32 * h));
+          q = _mm256_srai_epi32(_mm256_sllv_epi32(v, _mm256_set1_epi32(24 - 8 * (k % 4))), 24);  // byte k % 4, signed
+        } else {
+          const int kk = k % 16;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + L.quant_at + 64 * (kk / 4) + 32 * h));
+          q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(8 * (kk % 4) + (k < 16 ? 0 : 4))), low4);
+        }
+        // d * q + m as ggml computes it: the product is exact (an fp16 scale times a quant), so one rounding either way
+        _mm256_storeu_ps(dst + k * NR, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), dv, mv));
+      }
+    }
+  }
+#else  // the scalar dequantization (no AVX2 build runs this: x16_supported() is false there)
+  for (int64_t col = 0; col < NR; ++col) {
+    const int64_t grp = 3 * p + col / 16;
+    const int lane = static_cast<int>(col % 16);
+    for (int64_t g = 0; g < nch; ++g)
+      for (int k = 0; k < 32; ++k) {
+        panel[(32 * g + k) * NR + col] = grp < G ? weight_at(wp, L, nch, grp, g, lane, k) : 0.f;
+      }
   }
 #endif
 }

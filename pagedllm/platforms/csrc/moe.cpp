@@ -7,7 +7,7 @@
 // batch, so a row-count rule (linear_ggml's panels for prompt rows) would make a token's output, and through
 // the router the next layers' picks, depend on its batch; the dot also costs no per-call dequantization of
 // the expert, which the panel path would pay for every expert a prompt touches. The ISA paths are
-// linear_ggml.cpp's / linear_x16.cpp's. Where every picked expert is repacked (AVX-512 VNNI), each stage
+// linear_ggml.cpp's / linear_x16.cpp's. Where every picked expert is repacked (AVX-512 VNNI; Q4_0 / Q4_1 / Q8_0 on AVX2), each stage
 // (gate_up, then down) is one parallel region over all picked experts' 16-row groups: the threads start once
 // a stage, not once an expert, and balance over 8 small matrices rather than within each (decode-sized
 // expert matrices of 1-2 MB: 16 GB/s in one call each vs 19-23 for 6-60 MB ones, measured on Zen 4/5).
@@ -70,14 +70,16 @@ X16Act select_rows(const X16Act& all, const int64_t* rows, int64_t n) {
   X16Act a;
   a.K = all.K;
   a.nch = all.nch;
-  a.q.resize(n * a.K);
+  a.q.resize(all.q.empty() ? 0 : n * a.K);  // int16 or int8 activations, whichever this CPU's dot takes
+  a.q8.resize(all.q8.empty() ? 0 : n * a.K);
   a.d.resize(n * a.nch);
   a.s.resize(n * a.nch);
   a.sum.resize(n * a.nch);
   a.sum16.resize(n * a.nch * 2);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t r = rows[i];
-    std::copy_n(all.q.data() + r * a.K, a.K, a.q.data() + i * a.K);
+    if (!a.q.empty()) std::copy_n(all.q.data() + r * a.K, a.K, a.q.data() + i * a.K);
+    if (!a.q8.empty()) std::copy_n(all.q8.data() + r * a.K, a.K, a.q8.data() + i * a.K);
     std::copy_n(all.d.data() + r * a.nch, a.nch, a.d.data() + i * a.nch);
     std::copy_n(all.s.data() + r * a.nch, a.nch, a.s.data() + i * a.nch);
     std::copy_n(all.sum.data() + r * a.nch, a.nch, a.sum.data() + i * a.nch);
