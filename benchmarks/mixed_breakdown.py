@@ -40,6 +40,9 @@ weight_formats.DensePanels.matmul = timed(weight_formats.DensePanels.matmul, key
 # the bf16 gate_up with silu in one pass (an intermediate size of whole panels, as SmolLM2's): counted in its
 # row bucket, silu included; where it falls back to matmul + silu_and_mul its matmul would count twice
 weight_formats.DensePanels.matmul_silu_and_mul = timed(weight_formats.DensePanels.matmul_silu_and_mul, key=rows)
+# GGML weights' fused calls (the gate_up with its silu; a norm with the projection it feeds), counted likewise
+weight_formats.GGMLWeight.matmul_silu_and_mul = timed(weight_formats.GGMLWeight.matmul_silu_and_mul, key=rows)
+weight_formats.GGMLWeight.matmul_normed = timed(weight_formats.GGMLWeight.matmul_normed, key=rows)
 attention._attend_prefills = timed(attention._attend_prefills, "SDPA over prompts (fp32 pools only)")
 
 
