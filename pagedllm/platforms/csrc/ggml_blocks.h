@@ -61,6 +61,28 @@ inline float block_scale(const float* x, float levels, float* inv) {
   return amax / levels;
 }
 
+// q = round(x * id) (to nearest even, as nearbyint), and the sums of q over values 0-15 and 16-31
+inline void quantize32(const float* xs, float id, int8_t* q, int* s0, int* s1) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_set1_ps(id);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xs + 8 * i), v));
+  // packs work within 128-bit lanes: [r0 lo, r1 lo, r2 lo, r3 lo | r0 hi, ...] in 4-byte groups; the permute restores order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int h[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+  *s0 = h[0] + h[1] + h[4] + h[5];
+  *s1 = h[2] + h[3] + h[6] + h[7];
+#else
+  *s0 = *s1 = 0;
+  for (int i = 0; i < 32; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(xs[i] * id));
+    (i < 16 ? *s0 : *s1) += q[i];
+  }
+#endif
+}
+
 #if defined(__AVX2__)
 inline __m256i nibbles_lo_hi(const uint8_t* p) {  // 16 bytes -> 32: low nibbles, then high nibbles
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

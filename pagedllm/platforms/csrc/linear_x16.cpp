@@ -212,17 +212,17 @@ X16Act x16_quantize(const float* x, int64_t M, int64_t K) {
         const float* xs = x + m * K + 32 * g;
         float id;
         const float d = ggml::block_scale(xs, kInt8 ? 127.f : 32767.f, &id);
-        int32_t sum = 0, half[2] = {0, 0};
-        for (int i = 0; i < 32; ++i) {
-          const float v = std::nearbyint(xs[i] * id);
-          if (kInt8) {
-            a.q8[m * K + 32 * g + i] = static_cast<int8_t>(v);
-          } else {
-            a.q[m * K + 32 * g + (i & ~3) + (i & 1) * 2 + (i & 2) / 2] = static_cast<int16_t>(v);  // in 4s: [0, 2, 1, 3]
+        int32_t half[2] = {0, 0};
+        if (kInt8) {
+          ggml::quantize32(xs, id, a.q8.data() + m * K + 32 * g, half, half + 1);
+        } else {
+          for (int i = 0; i < 32; ++i) {
+            const int16_t v = static_cast<int16_t>(std::nearbyint(xs[i] * id));
+            a.q[m * K + 32 * g + (i & ~3) + (i & 1) * 2 + (i & 2) / 2] = v;  // in 4s: [0, 2, 1, 3]
+            half[i / 16] += v;
           }
-          sum += static_cast<int32_t>(v);
-          half[i / 16] += static_cast<int32_t>(v);
         }
+        const int32_t sum = half[0] + half[1];
         a.sum16[(m * a.nch + g) * 2] = half[0];
         a.sum16[(m * a.nch + g) * 2 + 1] = half[1];
         a.d[m * a.nch + g] = d;
