@@ -9,7 +9,9 @@
 // the same way whether its prefix came from the cache (a few rows left) or not (the whole prompt).
 // decode_rows = -1 (a caller that does not know): by M alone.
 // Steps of decodes alone of kDotRowsMax .. kTiledRowsMax rows on 256-bit integer dots (AVX2, AVX-VNNI): the same
-// int8 activations in tiles of two weight rows by four rows of x (dot_tiles), else the bf16 panels.
+// int8 activations in tiles of two weight rows by four rows of x (dot_tiles), else the bf16 panels. Parts repacked
+// for AVX2 (linear_x16.cpp: one weight row per lane, no shuffles) take their integer dot for steps of decodes alone
+// of any size: 1.5x the fp32 panels at 64-512 rows on an AMX Xeon with AVX-512 masked.
 // Decode-sized batches (M < kDotRowsMax): the integer dot product, the way ggml pairs each type
 // with an int8 `vec_dot_type`. Each activation row is quantized per 32 values to int8 with an fp32
 // scale da (and the sums da * sum(q) per 16, for the formats' offsets); per weight chunk of 32 the
@@ -679,7 +681,7 @@ namespace {
 
 torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                              const std::vector<int64_t>& rows, const c10::optional<torch::Tensor>& bias, int64_t O,
-                             bool dot, bool tiles = false) {
+                             bool dot, bool tiles = false, bool decodes = false) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == rows.size() && !ws.empty(),
               "linear_ggml: one type and row count per weight part");
@@ -710,10 +712,11 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
   const bool tiled = false;
 #endif
 #if PAGEDLLM_X16_AVX2
-  const bool x16dot = dot || (tiles && K % 32 == 0);  // repacked parts: the integer dot for such steps too
+  const bool x16dot = dot || (decodes && K % 32 == 0);  // repacked parts: every step of decodes alone
 #else
   const bool x16dot = dot;
   (void)tiles;
+  (void)decodes;
 #endif
   if (K % 32 == 0 && (dot || tiled) && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K, tiled);
   X16Act a16;
@@ -759,7 +762,7 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
   const bool decodes = decode_rows < 0 || decode_rows >= M;
   const bool dot = M < kDotRowsMax && decodes && x.size(-1) % 32 == 0;
-  return linear_ggml_on(x, ws, types, rows, bias, O, dot, decodes && M < kTiledRowsMax);
+  return linear_ggml_on(x, ws, types, rows, bias, O, dot, decodes && M < kTiledRowsMax, decodes);
 }
 
 torch::Tensor linear_ggml_dot(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
