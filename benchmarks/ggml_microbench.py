@@ -3,7 +3,8 @@ our bf16 packed kernel vs the ggml block formats executed in place (csrc/linear_
 K-quants: the 576-wide rows fall back to Q8_0 (as llama.cpp's quantizer does). The crossover between
 the integer dot and the dequantize-to-bf16 path is linear_ggml.cpp's kDotRowsMax.
 Each format is timed as a step of decodes (decode_rows = M) and as prompt rows (decode_rows = 0), which choose
-different paths on some CPUs. MASK_ISA="-mno-avx512f -mno-avxvnni -mno-amx-tile" runs the kernels as a CPU without
+different paths on some CPUs; a format this CPU repacks also as decodes on the file's own layout.
+MASK_ISA="-mno-avx512f -mno-avxvnni -mno-amx-tile" runs the kernels as a CPU without
 those instruction sets compiles them (e.g. an AVX2-only Zen 3's), on this one.
 Run: .venv/bin/python benchmarks/ggml_microbench.py [FORMAT ...] (correctness: tests/test_linear_ggml.py)."""
 
@@ -36,9 +37,12 @@ def fallback(t: T, k: int) -> T:  # K-quants need rows of whole 256-blocks; llam
     return t if k % GGML_QUANT_SIZES[t][0] == 0 else T.Q8_0
 
 
-quant = {t: [GGMLWeight(ops, [(torch.from_numpy(random_tensor(rng, o, k, fallback(t, k).name, fast=True)),
-                                FORMATS[fallback(t, k).name.lower()])], k) for o, k in shapes] for t in formats}
-print("repacked into 16-row groups here:", [t.name for t in formats if ops.ggml_repacks(int(t))])
+raw = {t: [torch.from_numpy(random_tensor(rng, o, k, fallback(t, k).name, fast=True)) for o, k in shapes]
+       for t in formats}
+quant = {t: [GGMLWeight(ops, [(r, FORMATS[fallback(t, k).name.lower()])], k) for r, (o, k) in zip(raw[t], shapes)]
+         for t in formats}
+repacked = [t for t in formats if ops.ggml_repacks(int(t))]
+print("repacked into 16-row groups here:", [t.name for t in repacked], "(their decodes also timed on the file layout)")
 flops_per_row = sum(2 * o * k for o, k in shapes)
 
 
@@ -50,4 +54,8 @@ for m in [int(v) for v in os.environ.get("ROWS", "1,2,4,8,12,15,16,24,32,64,256,
         for label, rows in (("decodes", m), ("prompt", 0)):
             tq = median_time(lambda xs=xs, ws=ws, rows=rows: [w.matmul(xs[k], rows) for w, (o, k) in zip(ws, shapes)])
             row += f"  {t.name} {label} {tq * 1e3:7.2f} ms ({flops_per_row * m / tq / 1e9:4.0f})"
+        if t in repacked:  # the same weights as the file stores them, as a CPU that does not repack them runs them
+            tf = median_time(lambda xs=xs, t=t, m=m: [ops.linear_ggml(xs[k], [r], [int(fallback(t, k))], [o], None, o, m)
+                                                 for r, (o, k) in zip(raw[t], shapes)])
+            row += f"  {t.name} decodes (file layout) {tf * 1e3:7.2f} ms ({flops_per_row * m / tf / 1e9:4.0f})"
     print(row, flush=True)

@@ -443,8 +443,8 @@ inline void half_chunk(const uint8_t* c, int h, const X16Act& a, int64_t t0, int
 }
 
 // T activation rows against the groups [g_lo, g_hi). Up to 2 rows of x, both halves of a chunk together (2T
-// accumulators), so the prefetches kStreamAhead ahead run all the time; more rows, the halves one after the other
-// (the second finds the group's chunks in L1 / L2), as 4T accumulators and the unpacked weights would spill
+// accumulators); more rows, the halves one after the other (the second finds the group's chunks in L1 / L2), as
+// 4T accumulators and the unpacked weights would spill
 template <int TYPE, int T>
 void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int64_t rows, const X16Act& a,
                 int64_t t0, const float* bias, float* y, int64_t O) {
@@ -460,8 +460,10 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
         for (int t = 0; t < T; ++t) acc[h][t] = _mm256_setzero_ps();
       for (int64_t g = 0; g < nch; ++g) {
         const uint8_t* c = gw + g * CB;
-        if (h0 == 0)
-          for (int64_t l = 0; l < CB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(c + l + ggml::kStreamAhead), _MM_HINT_T0);
+        // the first pass streams the group kStreamAhead ahead; a second pass (its chunks in L1 / L2) fetches the
+        // next group's, so that memory stays busy while it computes
+        const int64_t ahead = h0 == 0 ? ggml::kStreamAhead : nch * CB;
+        for (int64_t l = 0; l < CB; l += 64) _mm_prefetch(reinterpret_cast<const char*>(c + l + ahead), _MM_HINT_T0);
         for (int h = 0; h < kTogether; ++h) half_chunk<TYPE, T>(c, h0 + h, a, t0, g, acc[h]);
       }
       for (int h = 0; h < kTogether; ++h) {
