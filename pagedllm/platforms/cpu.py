@@ -210,10 +210,15 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
 
 @cache  # one build per process: the compiled library never changes once loaded
 def load_ops() -> Ops | None:
+    """This process's kernels: None with PAGEDLLM_NO_CPP set (the pure-torch paths); PAGEDLLM_KERNEL_FLAGS adds
+    compiler flags, e.g. "-mno-avx512f -mno-avxvnni -mno-amx-tile" to run what an AVX2-only CPU compiles."""
     if os.environ.get("PAGEDLLM_NO_CPP"):
         return None
+    flags = tuple(os.environ.get("PAGEDLLM_KERNEL_FLAGS", "").split())
+    if flags:
+        log.info("C++ kernels built with %s", " ".join(flags))
     try:
-        return build_ops()
+        return build_ops(flags)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch path
         log.warning("C++ kernels unavailable (%s); using the pure-torch paths", e)
         return None

@@ -83,6 +83,17 @@ def test_packed_linear_as_an_avx2_cpu_runs_it(ops_avx2):
                                        rtol=1e-4, atol=1e-4)
 
 
+def test_kernel_flags_from_the_environment_build_what_another_cpu_compiles(ops_avx2, monkeypatch):
+    """PAGEDLLM_KERNEL_FLAGS: the process's kernels built with those flags (the same cached build as the ops_avx2
+    fixture's), so an engine runs an AVX2-only CPU's paths here."""
+    from pagedllm.platforms.cpu import load_ops
+
+    monkeypatch.setenv("PAGEDLLM_KERNEL_FLAGS", "-mno-avx512f -mno-avxvnni -mno-amx-tile")
+    masked = load_ops.__wrapped__()  # past the process's cache
+    assert masked.linear_ggml_isa == ops_avx2.linear_ggml_isa == "avx2"
+    assert masked.linear_bf16_isa == "avx2"
+
+
 def test_rms_norm_with_and_without_residual(ops):
     g = torch.Generator().manual_seed(0)
     x, res, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40, generator=g)
