@@ -431,10 +431,13 @@ def test_decode_op_over_long_bf16_contexts(ops, heads: int, kv_heads: int, d: in
 @pytest.mark.slow
 def test_attention_without_avx512(ops_avx2) -> None:
     """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions
-    split into AVX2 halves; bf16::tile's generic loops)."""
+    split into AVX2 halves; bf16::tile's generic loops). The fp32 pool's AVX2 item sums V for up to 3 query heads
+    of a KV head at once: 9 / 3 heads (3), 8 / 2 (4: 3 + 1) and 10 / 2 (5: 3 + 2)."""
     for pool in (torch.float32, torch.bfloat16):
         _attention_qkv_case(ops_avx2.attention_qkv, 9, 3, 64, pool)
         _attention_qkv_case(ops_avx2.attention_qkv, 8, 2, 24, pool)
+        _attention_qkv_case(ops_avx2.attention_qkv, 8, 2, 32, pool)
+        _attention_qkv_case(ops_avx2.attention_qkv, 10, 2, 128, pool)
 
 
 @pytest.mark.parametrize("heads, kv_heads, d, bs", [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 5), (8, 2, 24, 16),

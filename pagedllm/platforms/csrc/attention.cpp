@@ -360,10 +360,33 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
 using ItemFn = void (*)(const Item&, int64_t, int64_t, const Pool&, const Pool&, int64_t, float, Scratch&);
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The V sum of NH (<= 3) query heads that share a KV head, D = 8 * ND: out[g] = sum_t p[g][t] V[slot t], each V
+// row's chunk of 4 vectors loaded once for the NH heads (NH x 4 accumulators: independent chains, so the fmas
+// run at the port's rate, where one head's 8 accumulators waited on each one's previous key)
+template <int ND, int NH>
+inline void v_sum_avx2(const float* vh, const int64_t* slot, int64_t n, const float* p, int64_t ld, float* out,
+                       int64_t D) {
+  constexpr int CH = ND < 4 ? ND : 4;
+  for (int c0 = 0; c0 < ND; c0 += CH) {
+    __m256 acc[NH][CH];
+    for (int g = 0; g < NH; ++g)
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vr = vh + slot[t] + 8 * c0;
+      for (int g = 0; g < NH; ++g) {
+        const __m256 pr = _mm256_broadcast_ss(p + g * ld + t);
+        for (int c = 0; c < CH; ++c) acc[g][c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * c), acc[g][c]);
+      }
+    }
+    for (int g = 0; g < NH; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(out + g * D + 8 * (c0 + c), acc[g][c]);
+  }
+}
+
 // An fp32 pool's item on AVX2, D = 8 * ND: attend_item's math (scores of the q scaled first, softmax_rows, the V
 // sum) with tiles sized for 16 ymm registers, the pool's rows read in place. Per query head: q in ND registers,
 // 4 keys' products at a time summed by two hadd levels and one add of the 128-bit halves (no horizontal sum
-// per key); the V sum over the item's keys in up to 8 accumulators per pass over the head dims. attend_item's
+// per key); the V sum by v_sum_avx2, a KV head's query heads up to 3 at a time. attend_item's
 // AVX-512 tiles (KT products of 16 floats, GB * ND q vectors) spill to the stack on AVX2.
 template <int ND>
 void attend_item_f32_avx2(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Pool& V, int64_t BS, float scale,
@@ -398,21 +421,14 @@ void attend_item_f32_avx2(const Item& it, int64_t H, int64_t KVH, const Pool& K,
   }
   softmax_rows(it, sc, H, n, ld, false);
   if (it.phase == 1) return;
-  constexpr int CH = ND < 8 ? ND : 8;  // accumulators a pass
-  for (int64_t h = 0; h < H; ++h) {
-    const float* vh = vp + (h / G) * D;
-    const float* ph = sc + h * ld;
-    for (int c0 = 0; c0 < ND; c0 += CH) {
-      __m256 acc[CH];
-      for (int c = 0; c < CH; ++c) acc[c] = _mm256_setzero_ps();
-      for (int64_t t = 0; t < n; ++t) {
-        const __m256 pr = _mm256_broadcast_ss(ph + t);
-        const float* vr = vh + slot[t] + 8 * c0;
-        for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(vr + 8 * c), acc[c]);
-      }
-      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(it.acc + h * D + 8 * (c0 + c), acc[c]);
+  for (int64_t kh = 0; kh < KVH; ++kh)
+    for (int64_t h0 = kh * G; h0 < (kh + 1) * G; h0 += 3) {
+      const int64_t nh = std::min<int64_t>(3, (kh + 1) * G - h0);
+      const float* vh = vp + kh * D;
+      if (nh == 3) v_sum_avx2<ND, 3>(vh, slot, n, sc + h0 * ld, ld, it.acc + h0 * D, D);
+      if (nh == 2) v_sum_avx2<ND, 2>(vh, slot, n, sc + h0 * ld, ld, it.acc + h0 * D, D);
+      if (nh == 1) v_sum_avx2<ND, 1>(vh, slot, n, sc + h0 * ld, ld, it.acc + h0 * D, D);
     }
-  }
 }
 
 ItemFn pick_f32(int64_t D) {
