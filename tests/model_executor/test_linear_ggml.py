@@ -226,7 +226,38 @@ def test_repacked_groups_as_an_avx2_cpu_runs_them(ops_avx2, t: T) -> None:
     two groups and 5 rows of a third, whose second half is all padding. Steps of decodes alone of any size take the
     integer dot (int8 activations, as the file layout's dot and tiles), each row the same bits in a step of any
     size; prompt rows the fp32 panels, the same bits as from the file's layout."""
-    mod = ops_avx2
+    _repacked_on_256_bit_dots(ops_avx2, t)
+
+
+@pytest.mark.slow
+def test_repacked_groups_as_an_avx_vnni_cpu_runs_them(tmp_path) -> None:
+    """The same on a CPU with AVX-VNNI but no AVX-512 (Alder Lake and later client cores), whose repacked dot takes
+    vpdpbusd: linear_ggml.cpp and linear_x16.cpp alone, built with AVX-512 masked (~30 s)."""
+    from pathlib import Path
+
+    from torch.utils.cpp_extension import load
+
+    import pagedllm
+    from pagedllm.platforms.cpu import cpu_isa_flags
+
+    if "avx_vnni" not in cpu_isa_flags().split():
+        pytest.skip("this CPU has no AVX-VNNI")
+    csrc = Path(pagedllm.__file__).parent / "platforms" / "csrc"
+    stub = tmp_path / "stub.cpp"
+    stub.write_text('#include <torch/extension.h>\n#include "linear_ggml.h"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+                    '  m.def("linear_ggml", &linear_ggml); m.def("repack_ggml", &repack_ggml);\n'
+                    '  m.def("dequantize_ggml", &dequantize_ggml); m.def("ggml_repacks", &ggml_repacks);\n'
+                    '  m.def("isa", &linear_ggml_isa);\n}\n')
+    mod = load(name="pagedllm_ggml_avx_vnni", sources=[str(csrc / "linear_ggml.cpp"), str(csrc / "linear_x16.cpp"),
+                                                       str(stub)],
+               extra_cflags=["-O2", "-march=native", "-mno-avx512f", "-mno-amx-tile"], extra_include_paths=[str(csrc)],
+               build_directory=str(tmp_path), verbose=False)
+    assert mod.isa() == "avx_vnni" and all(mod.ggml_repacks(int(t)) for t in (T.Q4_0, T.Q4_1, T.Q8_0))
+    for t in (T.Q4_0, T.Q4_1, T.Q8_0):
+        _repacked_on_256_bit_dots(mod, t)
+
+
+def _repacked_on_256_bit_dots(mod, t: T) -> None:
     o, k = 37, 512
     raw = torch.from_numpy(random_blocks(t, o, k, seed=int(t)))
     packed = mod.repack_ggml(raw, int(t))

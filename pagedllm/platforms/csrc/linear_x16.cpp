@@ -21,7 +21,8 @@
 //     vector: rows 0-7; 32-63: rows 8-15), one row per 32-bit lane of a ymm register. Activations int8 (X16Act.q8);
 //     per chunk and half, a nibble vector's low and high nibbles each go through one vpmaddubsw with a broadcast
 //     4-value group of x, 8 of them summed in int16 (15 * 127 * 2 * 8 < 2^15), one vpmaddwd to int32 (Q8_0: the
-//     sign trick, |w| with x's signs flipped, to int32 per vector), one fma applies d * da: ~0.2 instructions per
+//     sign trick, |w| with x's signs flipped, to int32 per vector; with AVX-VNNI, one vpdpbusd each instead of
+//     the three), one fma applies d * da: ~0.2 instructions per
 //     weight, where the file layout's dot needs scalar scale loads and a horizontal sum per row. Prompt rows take
 //     fp32 panels [K, 48] (AVX2 has no bf16 arithmetic): each k of 8 rows one shift, mask, convert and fma;
 //   elsewhere x16_supported() is false and the file's layout is used (linear_ggml.cpp).
@@ -405,8 +406,12 @@ inline void half_chunk(const uint8_t* c, int h, const X16Act& a, int64_t t0, int
       const __m256i mag = _mm256_sign_epi8(raw, raw);
       for (int t = 0; t < T; ++t) {
         const int32_t pj = reinterpret_cast<const int32_t*>(a.q8.data() + (t0 + t) * K + 32 * g)[j];
-        const __m256i prod = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(pj), raw));
-        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(pj), raw);
+#if defined(__AVXVNNI__)
+        isum[t] = _mm256_dpbusd_avx_epi32(isum[t], mag, xs);
+#else
+        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), _mm256_set1_epi16(1)));
+#endif
       }
     }
     for (int t = 0; t < T; ++t) {
@@ -427,6 +432,14 @@ inline void half_chunk(const uint8_t* c, int h, const X16Act& a, int64_t t0, int
   for (int t = 0; t < T; ++t) {
     const int64_t r = t0 + t;
     const int32_t* p = reinterpret_cast<const int32_t*>(a.q8.data() + r * K + 32 * g);
+#if defined(__AVXVNNI__)  // vpdpbusd: each lane's 4 products summed into int32 in one instruction
+    __m256i i0 = _mm256_set1_epi32(kMin ? 0 : -8 * a.sum[r * nch + g]), i1 = _mm256_setzero_si256();  // Q4_0: q - 8
+    for (int j = 0; j < 8; j += 2) {
+      i0 = _mm256_dpbusd_avx_epi32(i0, w[j], _mm256_set1_epi32(p[j]));
+      i1 = _mm256_dpbusd_avx_epi32(i1, w[j + 1], _mm256_set1_epi32(p[j + 1]));
+    }
+    const __m256i isum = _mm256_add_epi32(i0, i1);
+#else
     // int16 lanes: two products of <= 15 * 127 each, 8 vectors of them summed: < 2^15
     __m256i s0 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(p[0]));
     __m256i s1 = _mm256_maddubs_epi16(w[1], _mm256_set1_epi32(p[1]));
@@ -436,6 +449,7 @@ inline void half_chunk(const uint8_t* c, int h, const X16Act& a, int64_t t0, int
     }
     __m256i isum = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), _mm256_set1_epi16(1));
     if constexpr (!kMin) isum = _mm256_add_epi32(isum, _mm256_set1_epi32(-8 * a.sum[r * nch + g]));  // Q4_0: q - 8
+#endif
     const __m256 da = _mm256_set1_ps(a.d[r * nch + g]);
     acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dv, da), acc[t]);
     if constexpr (kMin) acc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[r * nch + g]), acc[t]);  // m * da * sum(qa)
