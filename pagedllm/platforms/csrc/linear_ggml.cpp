@@ -681,7 +681,7 @@ namespace {
 
 torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,
                              const std::vector<int64_t>& rows, const c10::optional<torch::Tensor>& bias, int64_t O,
-                             bool dot, bool tiles = false, bool decodes = false) {
+                             bool dot, bool decodes = false) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "linear_ggml: x must be [M, K] fp32");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == rows.size() && !ws.empty(),
               "linear_ggml: one type and row count per weight part");
@@ -707,7 +707,7 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
   bool any_plain = false, any_x16 = false;
   for (size_t i = 0; i < ws.size(); ++i) (types[i] >= kX16 ? any_x16 : any_plain) = true;
 #if PAGEDLLM_TILED_DOT
-  const bool tiled = tiles && !dot && K % 32 == 0;  // every plain part then runs on dot_tiles
+  const bool tiled = decodes && M < kTiledRowsMax && !dot && K % 32 == 0;  // every plain part then runs on dot_tiles
 #else
   const bool tiled = false;
 #endif
@@ -715,9 +715,8 @@ torch::Tensor linear_ggml_on(torch::Tensor x, const std::vector<torch::Tensor>& 
   const bool x16dot = dot || (decodes && K % 32 == 0);  // repacked parts: every step of decodes alone
 #else
   const bool x16dot = dot;
-  (void)tiles;
-  (void)decodes;
 #endif
+  (void)decodes;  // unused where neither 256-bit dot is built
   if (K % 32 == 0 && (dot || tiled) && any_plain) a = quantize_rows(x.data_ptr<float>(), M, K, tiled);
   X16Act a16;
   if (K % 32 == 0 && x16dot && any_x16) a16 = x16_quantize(x.data_ptr<float>(), M, K);
@@ -762,7 +761,7 @@ torch::Tensor linear_ggml(torch::Tensor x, std::vector<torch::Tensor> ws, std::v
   const int64_t M = x.dim() == 2 ? x.size(0) : 0;
   const bool decodes = decode_rows < 0 || decode_rows >= M;
   const bool dot = M < kDotRowsMax && decodes && x.size(-1) % 32 == 0;
-  return linear_ggml_on(x, ws, types, rows, bias, O, dot, decodes && M < kTiledRowsMax, decodes);
+  return linear_ggml_on(x, ws, types, rows, bias, O, dot, decodes);
 }
 
 torch::Tensor linear_ggml_dot(torch::Tensor x, const std::vector<torch::Tensor>& ws, const std::vector<int64_t>& types,

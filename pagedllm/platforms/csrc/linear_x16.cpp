@@ -628,8 +628,8 @@ void x16_panel_f32(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, f
   TORCH_CHECK(K == nch * 32, "linear_ggml: x has ", K, " columns, the repacked weight ", nch * 32);
   TORCH_CHECK(!L.kquant && !L.fp4, "x16_panel_f32: Q4_0, Q4_1 and Q8_0 only");
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  constexpr int64_t NR = 48;  // f32_tile.h's panel width: 3 groups = 6 halves of 8 rows
 #if PAGEDLLM_X16_AVX2
+  constexpr int64_t NR = 48;  // f32_tile.h's panel width: 3 groups = 6 halves of 8 rows
   const __m256i low4 = _mm256_set1_epi32(0x0f);
   for (int64_t hb = 0; hb < 6; ++hb) {  // half hb % 2 of group 3p + hb / 2: columns 8 hb .. 8 hb + 7
     const int64_t grp = 3 * p + hb / 2;
@@ -661,14 +661,8 @@ void x16_panel_f32(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, f
       }
     }
   }
-#else  // the scalar dequantization (no AVX2 build runs this: x16_supported() is false there)
-  for (int64_t col = 0; col < NR; ++col) {
-    const int64_t grp = 3 * p + col / 16;
-    const int lane = static_cast<int>(col % 16);
-    for (int64_t g = 0; g < nch; ++g)
-      for (int k = 0; k < 32; ++k) {
-        panel[(32 * g + k) * NR + col] = grp < G ? weight_at(wp, L, nch, grp, g, lane, k) : 0.f;
-      }
-  }
+#else  // x16_supported() is false without the AVX2 dot, so no part reaches here repacked
+  (void)wp; (void)G; (void)p; (void)panel;
+  TORCH_CHECK(false, "x16_panel_f32: built without the AVX2 repacked dot");
 #endif
 }
