@@ -18,7 +18,7 @@ print("bf16 kernel ISA path:", ops.linear_bf16_isa)
 H, FF, Q, KV = 576, 1536, 576, 192
 shapes = [(Q + 2 * KV, H), (H, Q), (2 * FF, H), (H, FF)] * 30  # (out, in)
 weights = [torch.randn(o, k) * 0.02 for o, k in shapes]
-p32 = [pack_weight(w) for w in weights]
+p32 = [pack_weight(w, ops.f32_strip) for w in weights]
 plain_bf16 = [w.bfloat16() for w in weights]
 p16 = [ops.pack_bf16(w) for w in weights]
 del weights

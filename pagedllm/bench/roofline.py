@@ -67,7 +67,7 @@ def measure_matmul(n: int = 2048, reps: int = 5, dtype: torch.dtype = torch.floa
     else:
         candidates = [lambda: a @ b]
         if ops is not None:
-            packed = pack_weight(b)
+            packed = pack_weight(b, ops.f32_strip)
             candidates.append(lambda: ops.packed_linear(a, packed, None, n))
     best = float("inf")
     for f in candidates:
@@ -220,7 +220,7 @@ def kernels_main(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     flops_per_row = sum(2 * o * k for o, k in shapes)
     rng = np.random.default_rng(args.seed)
     formats = {
-        "fp32 panels": ([pack_weight(torch.randn(o, k) * 0.02) for o, k in shapes], 4.0, torch.float32,
+        "fp32 panels": ([pack_weight(torch.randn(o, k) * 0.02, ops.f32_strip) for o, k in shapes], 4.0, torch.float32,
                         lambda w, x, o: ops.packed_linear(x, w, None, o)),
         "bf16 panels": ([ops.pack_bf16(torch.randn(o, k) * 0.02) for o, k in shapes], 2.0, torch.bfloat16,
                         lambda w, x, o: ops.linear_bf16(x, w, None, o)),

@@ -37,23 +37,26 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 PANEL = 48  # output columns per packed weight panel (NR in ops.cpp)
 
 
-def pack_weight(w: Tensor) -> Tensor:
-    """[O, K] -> [ceil(O / 48), K, 48]: column panels of w^T, zero-padded, each contiguous."""
+def pack_weight(w: Tensor, strip: int = PANEL) -> Tensor:
+    """[O, K] -> [ceil(O / 48), 48 / strip, K, strip]: column panels of w^T, zero-padded, each stored as strips of
+    `strip` columns (Ops.f32_strip: what this build's fp32 kernel reads), each contiguous."""
     o, k = w.shape
+    if PANEL % strip:
+        raise ValueError(f"a strip of {strip} columns does not divide a {PANEL}-column panel")
     p = -(-o // PANEL)
     padded = w.new_zeros(p * PANEL, k)
     padded[:o] = w
-    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(p, PANEL // strip, strip, k).transpose(2, 3).contiguous()
 
 
 def unpack_weight(packed: Tensor, out_features: int) -> Tensor:
-    """Either panel layout back to [O, K]: fp32 [P, K, 48] or bf16 pairs [P, K/2, 48, 2] (odd K: the
-    zero column of the last pair is kept, so pass in_features to slice it off if it matters)."""
-    if packed.dim() == 4:  # bf16 [P, K2, 48, 2] -> [P, 48, K2, 2] -> [P * 48, 2 * K2]
+    """Either panel layout back to [O, K]: fp32 strips [P, S, K, 48 / S] or bf16 pairs [P, K/2, 48, 2] (odd K:
+    the zero column of the last pair is kept, so pass in_features to slice it off if it matters)."""
+    if packed.dtype == torch.bfloat16:  # [P, K2, 48, 2] -> [P, 48, K2, 2] -> [P * 48, 2 * K2]
         p, k2 = packed.shape[:2]
         return packed.permute(0, 2, 1, 3).reshape(p * PANEL, 2 * k2)[:out_features].contiguous()
-    p, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(p * PANEL, k)[:out_features].contiguous()
+    p, _, k, _ = packed.shape  # [P, S, K, W] -> [P, S, W, K] -> [P * 48, K]
+    return packed.transpose(2, 3).reshape(p * PANEL, k)[:out_features].contiguous()
 
 
 def pad_bias(b: Tensor) -> Tensor:
@@ -88,6 +91,7 @@ class Ops:
     shared_prefix_groups: object
     quantize_kv_: object
     MoeExperts: type  # the extension's class, as it names it
+    f32_strip: int  # the columns of one strip of packed_linear's panels (pack_weight's strip)
 
     @property
     def native_bf16(self) -> bool:
@@ -205,7 +209,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.linear_ggml_silu_mul, mod.linear_ggml_normed, mod.dequantize_ggml,
                mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts)
+               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts, mod.f32_strip())
 
 
 @cache  # one build per process: the compiled library never changes once loaded

@@ -59,24 +59,28 @@ def test_packed_linear(ops, rows, out_features):
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 40, generator=g), torch.randn(out_features, 40, generator=g)
     b = torch.randn(out_features, generator=g)
-    packed = pack_weight(w)
-    assert packed.shape == (-(-out_features // 48), 40, 48)
+    packed = pack_weight(w, ops.f32_strip)
+    assert packed.shape == (-(-out_features // 48), 48 // ops.f32_strip, 40, ops.f32_strip)
     assert torch.equal(unpack_weight(packed, out_features), w)
     torch.testing.assert_close(ops.packed_linear(x, packed, pad_bias(b), out_features), F.linear(x, w, b))
     torch.testing.assert_close(ops.packed_linear(x, packed, None, out_features), F.linear(x, w))
 
 
 def test_packed_linear_as_an_avx2_cpu_runs_it(ops_avx2):
-    """The AVX2 micro-kernel (6-row sub-tiles of 16 columns, the rest 1-2 x 48, 3-4 x 24, 5 x 16, whole rows of
-    the panel prefetched ahead by the first sub-tile's pass) over every row remainder, partial panels and a K
-    longer than the prefetch distance."""
-    assert ops_avx2.linear_bf16_isa == "avx2"
+    """The AVX2 micro-kernel (6-row sub-tiles of 16 columns, the rest 1-2 x 48, 3-4 x 24 across two strips, 5 x 16)
+    over every row remainder, partial panels and a K of several unrolled steps and a remainder; panels packed in
+    another build's strips are refused with the reason."""
+    assert ops_avx2.linear_bf16_isa == "avx2" and ops_avx2.f32_strip == 16
+    w = torch.randn(48, 40)
+    with pytest.raises(RuntimeError, match="strips of 48 columns; this build's kernel reads strips of 16"):
+        ops_avx2.packed_linear(torch.randn(2, 40), pack_weight(w), None, 48)
     for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 64):
-        for out_features, k in ((48, 40), (70, 600), (96, 1536)):
+        for out_features, k in ((48, 43), (70, 600), (96, 1538)):
             g = torch.Generator().manual_seed(rows * out_features)
             x, w = torch.randn(rows, k, generator=g), torch.randn(out_features, k, generator=g)
             b = torch.randn(out_features, generator=g)
-            packed = pack_weight(w)
+            packed = pack_weight(w, ops_avx2.f32_strip)
+            assert torch.equal(unpack_weight(packed, out_features), w)
             torch.testing.assert_close(ops_avx2.packed_linear(x, packed, pad_bias(b), out_features), F.linear(x, w, b),
                                        rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(ops_avx2.packed_linear(x, packed, None, out_features), F.linear(x, w),

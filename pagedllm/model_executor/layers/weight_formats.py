@@ -66,7 +66,7 @@ class DensePanels(PackedWeight):
 
     def __init__(self, ops: Ops, w: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
         self.ops, self.out_features, self.in_features = ops, w.shape[0], w.shape[1]
-        self.data = ops.pack_bf16(w) if dtype == torch.bfloat16 else pack_weight(w.float())
+        self.data = ops.pack_bf16(w) if dtype == torch.bfloat16 else pack_weight(w.float(), ops.f32_strip)
         self.bias = pad_bias(bias.float()) if bias is not None else None
 
     def matmul(self, x: Tensor, decode_rows: int = -1) -> Tensor:  # the same path for every row

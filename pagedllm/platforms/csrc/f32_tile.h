@@ -1,13 +1,18 @@
-// The fp32 panel micro-kernel of packed_linear (ops.cpp): tiles of y = x w^T + b, with w
-// packed once at load time as panels [P, K, 48] (column block p of w^T, zero-padded), so the inner loop
-// streams one contiguous panel, broadcasts x and keeps every accumulator in a register (no horizontal sums).
+// The fp32 panel micro-kernel of packed_linear (ops.cpp): tiles of y = x w^T + b, with w packed once at load
+// time as panels of 48 columns (column block p of w^T, zero-padded), each panel stored as 48 / SW strips
+// [K, SW] (at()), so the inner loop streams contiguous strips, broadcasts x and keeps every
+// accumulator in a register (no horizontal sums).
 // ISA paths (compile-time; -march=native, the build keyed by the CPU's flags):
-//   AVX-512: 8 rows x three 16-float vectors, 24 of the 32 zmm registers (~205-215 GFLOP/s on a 2-core
-//     Zen 5 at SmolLM2's shapes, where MKL's sgemm on the plain [O, K] weights gives 130-190);
+//   AVX-512: one strip [K, 48] (SW = 48), 8 rows x three 16-float vectors, 24 of the 32 zmm registers
+//     (~205-215 GFLOP/s on a 2-core Zen 5 at SmolLM2's shapes, where MKL's sgemm on the plain [O, K] weights
+//     gives 130-190);
 //   AVX2 + FMA: 16 ymm registers hold 12 accumulators, so a panel is cut into sub-tiles of 6 rows x 16
 //     columns (BLIS's Haswell shape), the rows left as 1-2 x 48 (decode streams the panel once), 3-4 x 24
 //     or 5 x 16; partial columns by masked stores (a buffer for them kept GCC from holding the accumulators
-//     in registers). 60-67 GFLOP/s a thread at 64-1024 rows on a Zen 3 whose FMA peak is 87.5; the
+//     in registers). The panel is three strips [K, 16] (SW = 16), one per 6 x 16 sub-tile's pass, so each pass
+//     reads 64 contiguous bytes a k: on [K, 48] rows the passes read every third cache line, a strided stream
+//     that held the 6 x 16 tile to ~80% of the FMA peak (one thread of an AMX Xeon built as AVX2, 512 rows,
+//     K 576: 96-100 -> 117-119 GFLOP/s with the k loop unrolled by 4, where the FMA peak is 121-124). The
 //     AVX-512 shape spilled its 48 ymm accumulators every k (4.5 GFLOP/s for both threads at any row count);
 //   otherwise: the same 16-float vectors as AVX-512, which the compiler splits for the ISA it has.
 #pragma once
@@ -25,15 +30,19 @@ inline constexpr int64_t NR = 48;  // output columns per weight panel
 // apart; cols: the panel's real columns (the last panel is partial)
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 inline constexpr const char* kIsa = "avx2";
+inline constexpr int64_t SW = 16;  // a strip's columns: one 6 x 16 sub-tile's
 
-// A sub-tile narrower than the panel reads one or two of each 192-byte panel row's three cache lines, a strided
-// stream whose misses the hardware overlaps poorly: with 6 rows, three such passes took twice the time of one
-// streaming pass. So the pass over the first columns prefetches whole rows this far ahead (2 KiB) into L1, and
-// the passes over the other columns find them in L2.
-inline constexpr int64_t kAheadRows = 2048 / (NR * 4);
+// the panel's column c of weight k: strips [48 / SW][K][SW]
+inline constexpr int64_t at(int64_t K, int64_t k, int64_t c) { return c / SW * K * SW + k * SW + c % SW; }
 
-// R rows x C 8-float vectors of the panel's columns from column c0. R * C accumulators plus min(R, C) operands
-// held across the other loop plus one <= 16 registers: the smaller side is loaded once per k and kept
+// Each pass over a strip starts a new stream of the panel, which the hardware's prefetchers take a while to
+// follow when the panel comes from memory (a few rows of x: decode), so the passes prefetch their strips this
+// many k ahead (2 KiB)
+inline constexpr int64_t kAhead = 2048 / (SW * 4);
+
+// R rows x C 8-float vectors of the panel's columns from column c0 (a vector never straddles strips: SW is a
+// multiple of 8). R * C accumulators plus min(R, C) operands held across the other loop plus one <= 16 registers:
+// the smaller side is loaded once per k and kept
 template <int R, int C>
 inline void sub_tile(const float* x, int64_t K, const float* panel, int64_t c0, const float* bias, float* y, int64_t O,
                      int64_t cols) {
@@ -45,18 +54,19 @@ inline void sub_tile(const float* x, int64_t K, const float* panel, int64_t c0, 
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 16
     for (int j = 0; j < C; ++j) acc[i][j] = bias ? _mm256_loadu_ps(bias + c0 + 8 * j) : _mm256_setzero_ps();
-  const float* pk = panel + c0;
-  for (int64_t k = 0; k < K; ++k, pk += NR) {
-    if (c0 == 0) {  // the first sub-tile's pass brings in whole panel rows (the later ones then hit L2): see kAheadRows
-      const char* ahead = reinterpret_cast<const char*>(pk + kAheadRows * NR);
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      _mm_prefetch(ahead + 128, _MM_HINT_T0);
-    }
+  const float* pj[C];  // vector j's column in its strip, at k = 0
+#pragma GCC unroll 16
+  for (int j = 0; j < C; ++j) pj[j] = panel + at(K, 0, c0 + 8 * j);
+  // unrolled by 4: the loop's own instructions took issue slots from the 12 FMAs of a k
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+#pragma GCC unroll 16
+    for (int j = 0; j < C; j += 2)  // each strip's cache line kAhead ahead (past its end: the next strip's)
+      _mm_prefetch(reinterpret_cast<const char*>(pj[j] + (k + kAhead) * SW), _MM_HINT_T0);
     if constexpr (C <= R) {
       __m256 w[C];
 #pragma GCC unroll 16
-      for (int j = 0; j < C; ++j) w[j] = _mm256_loadu_ps(pk + 8 * j);
+      for (int j = 0; j < C; ++j) w[j] = _mm256_loadu_ps(pj[j] + k * SW);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
         const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
@@ -69,7 +79,7 @@ inline void sub_tile(const float* x, int64_t K, const float* panel, int64_t c0, 
       for (int i = 0; i < R; ++i) xv[i] = _mm256_broadcast_ss(x + i * K + k);
 #pragma GCC unroll 16
       for (int j = 0; j < C; ++j) {
-        const __m256 w = _mm256_loadu_ps(pk + 8 * j);
+        const __m256 w = _mm256_loadu_ps(pj[j] + k * SW);
 #pragma GCC unroll 16
         for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(w, xv[i], acc[i][j]);
       }
@@ -118,6 +128,9 @@ inline void rows(const float* x, int64_t M, int64_t K, const float* panel, const
 
 #else
 inline constexpr const char* kIsa = "vec16";
+inline constexpr int64_t SW = NR;  // one strip: the panel is [K, 48]
+
+inline constexpr int64_t at(int64_t K, int64_t k, int64_t c) { return c / SW * K * SW + k * SW + c % SW; }
 
 typedef float v16f __attribute__((vector_size(64)));
 

@@ -474,11 +474,11 @@ void dequant_panel_bf16(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // Prompt rows on AVX2, which has no bf16 arithmetic: there the bf16 panels' micro-kernel widens every weight pair
 // into two fp32 vectors, a shift and a mask on the ports the FMAs need. So prompt rows take fp32 panels [K, 48]
-// instead (f32_tile.h's layout and 6 x 16 tiles; the panel is made once a call and read from L2 by every row
+// instead (f32_tile.h's strips and 6 x 16 tiles; the panel is made once a call and read from L2 by every row
 // block), with x as it is: fp32 weights exactly as ggml dequantizes them, x not rounded.
 #define PAGEDLLM_F32_PREFILL 1
 
-// One 48-row panel [K, 48] fp32 straight from the blocks: per chunk of 32 k, 8 rows are dequantized and transposed
+// One 48-row fp32 panel (f32_tile.h's strips) straight from the blocks: per chunk of 32 k, 8 rows are dequantized and transposed
 // in registers by 8 x 8, so each k's 8 columns are stored as one vector. Rows past `cols` are zero.
 template <class F>
 void dequant_panel_f32(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t c0, int64_t cols, float* panel) {
@@ -494,7 +494,7 @@ void dequant_panel_f32(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t c
       for (int j = 0; j < 4; ++j) {
         transpose8(r[j]);
         for (int t = 0; t < 8; ++t)
-          _mm256_storeu_ps(panel + (32 * g + 8 * j + t) * f32::NR + 8 * grp, _mm256_castsi256_ps(r[j][t]));
+          _mm256_storeu_ps(panel + f32::at(K, 32 * g + 8 * j + t, 8 * grp), _mm256_castsi256_ps(r[j][t]));
       }
     }
   }
@@ -556,7 +556,7 @@ void panel_sweep(const bf16::Pairs* xb, int64_t M, int64_t K, int64_t rows, cons
 }
 
 #if PAGEDLLM_F32_PREFILL
-// fp32 panels [K, 48] made by make_panel(p, panel) times x as it is (f32_tile.h's micro-kernel)
+// fp32 panels (f32_tile.h's strips) made by make_panel(p, panel) times x as it is (f32_tile.h's micro-kernel)
 template <class MakePanel>
 void f32_panel_sweep(const float* xf, int64_t M, int64_t K, int64_t rows, const float* bc, float* yc, int64_t O,
                      MakePanel&& make_panel) {

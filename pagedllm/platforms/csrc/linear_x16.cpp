@@ -33,6 +33,7 @@
 #include <cstring>
 
 #include "bf16_tile.h"
+#include "f32_tile.h"
 #include "huge_pages.h"
 #include "ggml_blocks.h"
 #include "linear_x16.h"
@@ -629,15 +630,15 @@ void x16_panel_f32(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, f
   TORCH_CHECK(!L.kquant && !L.fp4, "x16_panel_f32: Q4_0, Q4_1 and Q8_0 only");
   const uint8_t* wp = w.data_ptr<uint8_t>();
 #if PAGEDLLM_X16_AVX2
-  constexpr int64_t NR = 48;  // f32_tile.h's panel width: 3 groups = 6 halves of 8 rows
+  static_assert(f32::NR == 48 && f32::SW % 8 == 0, "f32_tile.h's panel: 3 groups = 6 halves of 8 rows");
   const __m256i low4 = _mm256_set1_epi32(0x0f);
   for (int64_t hb = 0; hb < 6; ++hb) {  // half hb % 2 of group 3p + hb / 2: columns 8 hb .. 8 hb + 7
     const int64_t grp = 3 * p + hb / 2;
     const int h = static_cast<int>(hb % 2);
     for (int64_t g = 0; g < nch; ++g) {
-      float* dst = panel + 32 * g * NR + 8 * hb;  // weight k of the chunk: + k * NR
+      float* dst = panel + f32::at(K, 32 * g, 8 * hb);  // weight k of the chunk: + k * SW
       if (grp >= G) {
-        for (int k = 0; k < 32; ++k) _mm256_storeu_ps(dst + k * NR, _mm256_setzero_ps());
+        for (int k = 0; k < 32; ++k) _mm256_storeu_ps(dst + k * f32::SW, _mm256_setzero_ps());
         continue;
       }
       // a last group's padded rows are zero blocks: they dequantize to 0
@@ -657,7 +658,7 @@ void x16_panel_f32(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, f
           q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(8 * (kk % 4) + (k < 16 ? 0 : 4))), low4);
         }
         // d * q + m as ggml computes it: the product is exact (an fp16 scale times a quant), so one rounding either way
-        _mm256_storeu_ps(dst + k * NR, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), dv, mv));
+        _mm256_storeu_ps(dst + k * f32::SW, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), dv, mv));
       }
     }
   }

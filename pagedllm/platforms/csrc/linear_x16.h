@@ -40,7 +40,7 @@ void x16_dot_groups(int64_t type, const torch::Tensor& w, int64_t rows, const X1
                     float* y, int64_t O, int64_t g_lo, int64_t g_hi);
 // one 48-row bf16 panel [K2, 48, 2] (3 groups of 16 rows) for the prefill path; padded rows zero
 void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint16_t* panel);
-// the same as an fp32 panel [K, 48] (f32_tile.h's layout), for AVX2's prefill (linear_ggml.cpp PAGEDLLM_F32_PREFILL)
+// the same as an fp32 panel (f32_tile.h's strips), for AVX2's prefill (linear_ggml.cpp PAGEDLLM_F32_PREFILL)
 void x16_panel_f32(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, float* panel);
 // fp32 rows [R, K] (ids: which rows; all when empty)
 torch::Tensor x16_dequantize(int64_t type, const torch::Tensor& w, int64_t rows, int64_t K, const torch::Tensor& ids);

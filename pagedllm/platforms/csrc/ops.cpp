@@ -22,10 +22,13 @@
 
 constexpr int64_t NR = f32::NR;
 
-// y [M, O] = x [M, K] w^T + b, with w packed [P, K, 48] and b padded to P * 48. One task = one panel.
+// y [M, O] = x [M, K] w^T + b, with w packed [P, 48 / SW, K, SW] (f32_tile.h's strips) and b padded to P * 48.
+// One task = one panel.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t O) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == NR && x.size(1) == w.size(1) && w.is_contiguous(),
-              "packed_linear: expects x [M, K] and a packed weight [P, K, 48]");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(1) * w.size(3) == NR && x.size(1) == w.size(2) &&
+              w.is_contiguous(), "packed_linear: expects x [M, K] and a packed weight [P, 48 / SW, K, SW]");
+  TORCH_CHECK(w.size(3) == f32::SW, "packed_linear: the weight is packed in strips of ", w.size(3),
+              " columns; this build's kernel reads strips of ", f32::SW, " (pack it with this build's f32_strip)");
   TORCH_CHECK(O <= w.size(0) * NR, "packed_linear: more outputs than panels");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = w.size(0);
@@ -189,4 +192,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, double, double>())
       .def("__call__", &MoeExperts::operator());
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
+  m.def("f32_strip", [] { return f32::SW; }, "the columns of one strip of packed_linear's panels on this build");
 }
