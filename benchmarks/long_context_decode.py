@@ -58,10 +58,15 @@ def main() -> None:
     print(f"{args.model}: KV layers {sum(s is not None for s in model.kv_specs())} of {len(model.layers)}, "
           f"state {model.state_bytes_per_seq() / 2**20:.1f} MiB per sequence" if hasattr(model, "state_bytes_per_seq")
           else args.model)
+    short = min(args.contexts)
     for n in args.contexts:
         med = statistics.median(rates[n])
-        print(f"context {n:6d}: decode median {med:.2f} tok/s ({base / med:.2f}x the time a token at "
-              f"{min(args.contexts)})")
+        # each round's two contexts ran back to back, so their ratio is the paired figure; the ratio of the two
+        # medians can mix rounds run at different host speeds
+        paired = [a / b for a, b in zip(rates[short], rates[n])]
+        print(f"context {n:6d}: decode median {med:.2f} tok/s; time a token vs {short}: per round "
+              f"{' / '.join(f'{x:.2f}' for x in paired)}, median {statistics.median(paired):.2f}x "
+              f"(medians' ratio {base / med:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,18 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def ops():
+    """This CPU's kernels (the build every engine on it loads); skipped only where they are turned off."""
+    from pagedllm.platforms.cpu import load_ops
+
+    if os.environ.get("PAGEDLLM_NO_CPP"):
+        pytest.skip("C++ kernels disabled")
+    o = load_ops()
+    assert o is not None, "the C++ ops build on this machine"
+    return o
+
+
+@pytest.fixture(scope="session")
 def ops_avx2():
     """Every kernel as a CPU without AVX-512 (Zen 3: AVX2, FMA) compiles it, built here by masking this CPU's
     AVX-512 and AVX-VNNI: the whole library that CPU loads, not a file of it. Built once per session (2-3

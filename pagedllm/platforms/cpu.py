@@ -92,6 +92,7 @@ class Ops:
     quantize_kv_: object
     MoeExperts: type  # the extension's class, as it names it
     f32_strip: int  # the columns of one strip of packed_linear's panels (pack_weight's strip)
+    gated_delta_decode: object
 
     @property
     def native_bf16(self) -> bool:
@@ -191,7 +192,7 @@ def _staged(sources: list[Path], where: Path) -> list[Path]:
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / "ops.cpp", _CSRC / "attention.cpp", _CSRC / "attention_chunks.cpp", _CSRC / "linear_bf16.cpp",
             _CSRC / "linear_ggml.cpp", _CSRC / "linear_x16.cpp", _CSRC / "mask_rows.cpp", _CSRC / "moe.cpp",
-            _CSRC / "kv_quant.cpp"]
+            _CSRC / "kv_quant.cpp", _CSRC / "gated_delta_net.cpp"]
 
 
 def ops_build_dir(extra_flags: tuple[str, ...] = ()) -> Path:
@@ -209,7 +210,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.linear_ggml_silu_mul, mod.linear_ggml_normed, mod.dequantize_ggml,
                mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts, mod.f32_strip())
+               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts, mod.f32_strip(), mod.gated_delta_decode)
 
 
 @cache  # one build per process: the compiled library never changes once loaded

@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.platforms.cpu import auto_dtype, load_ops, pad_bias, unpack_weight
+from pagedllm.platforms.cpu import auto_dtype, pad_bias, unpack_weight
 from pagedllm.tools.evaluate import compare_to_reference
-
-
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_ops()
-    assert ops is not None, "the C++ ops build on this machine"
-    return ops
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 17, 33, 64, 130])

@@ -11,17 +11,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from pagedllm.platforms.cpu import load_ops  # noqa: E402
-
 FORMATS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    o = load_ops()
-    if o is None:
-        pytest.skip("C++ kernels unavailable")
-    return o
 
 
 def random_blocks(t: T, rows: int, k: int, seed: int = 0) -> np.ndarray:

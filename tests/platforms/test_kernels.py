@@ -10,13 +10,6 @@ from pagedllm.model_executor.layers.backends import rotate_half
 from pagedllm.platforms.cpu import load_ops, pack_weight, pad_bias, unpack_weight
 
 
-@pytest.fixture(scope="module")
-def ops():
-    ops = load_ops()
-    assert ops is not None, "the C++ ops build on this machine"
-    return ops
-
-
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                   pool: torch.dtype, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [1, H, L, D], k and v [1, KVH, S, D] as the pool holds them; mask [1, 1, L, S] or None (causal).

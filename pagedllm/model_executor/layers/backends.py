@@ -16,6 +16,7 @@ from torch import nn
 from ...platforms.cpu import Ops
 from ..attention import AttentionMetadata, attention_from_qkv, paged_attention
 from ..kv_cache import KVCache
+from .gated_delta_net import StateCache
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +79,12 @@ class TorchReference(_QKNorm):
                     decode_rows: int) -> torch.Tensor | None:
         """A MoE layer's routed experts in one call, [T, hidden] fp32; None: no such op for these weights (the
         layer runs each expert itself)."""
+        return None
+
+    def gated_delta_decode(self, layer: nn.Module, p: torch.Tensor, rows: list[int], slots: list[int],
+                           fresh: list[bool], cache: StateCache) -> torch.Tensor | None:
+        """One decode token a sequence through a Gated DeltaNet layer (its states updated in place): the gated
+        outputs [B, Hv, Dv], or None for the layer's torch steps."""
         return None
 
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
@@ -156,6 +163,17 @@ class CpuKernels(_QKNorm):
         if cached[2] is None:
             return None
         return cached[2](h, ids, weights)  # every row on the integer dot: batch-invariant
+
+    def gated_delta_decode(self, layer: nn.Module, p: torch.Tensor, rows: list[int], slots: list[int],
+                           fresh: list[bool], cache: StateCache) -> torch.Tensor | None:
+        """The whole step in one op (gated_delta_net.cpp): each state read and written once."""
+        if p.dtype != torch.float32 or cache.recurrent.dtype != torch.float32:
+            return None
+        return self.ops.gated_delta_decode(
+            p.contiguous(), torch.tensor(rows), torch.tensor(slots), torch.tensor(fresh), cache.conv, cache.recurrent,
+            layer.conv_weight.float().view(layer.conv_dim, layer.kernel).contiguous(), layer.A_log.float().contiguous(),
+            layer.dt_bias.float().contiguous(), layer.norm_weight.float().contiguous(), layer.hk, layer.dk, layer.tiled,
+            layer.eps)
 
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         """The op reads fp32, bf16, fp8 and q8_0 / q4_0 pools in place. A bf16 pool's prefills go to the chunk

@@ -143,8 +143,15 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         w = self.conv_weight.float().view(self.conv_dim, self.kernel)
         dev = h.device
         out = torch.zeros(t, self.hv, self.dv, device=dev)
+        gated = torch.empty(t, self.hv, self.dv, device=dev)  # out, RMS-normed per value head and gated
         steps = [s for s in seqs if s.n == 1]
-        if steps:  # one token each: batched
+        done = None
+        if steps:
+            done = self.backend.gated_delta_decode(self, p, [s.q_start for s in steps], [s.slot for s in steps],
+                                                   [s.fresh for s in steps], cache)
+        if done is not None:
+            gated[[s.q_start for s in steps]] = done
+        elif steps:  # one token each: batched
             rows = torch.tensor([s.q_start for s in steps], device=dev)
             slots = torch.tensor([s.slot for s in steps], device=dev)
             keep = torch.tensor([0.0 if s.fresh else 1.0 for s in steps], device=dev)
@@ -165,9 +172,13 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
             o, cache.recurrent[s.slot] = chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                  g[r].T, beta[r].T, state)
             out[r] = o.transpose(0, 1)
-        # per value head: RMS-normed, scaled by its weight, gated by SiLU(z)
-        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-        gated = normed * F.silu(z.view(t, self.hv, self.dv))
+        # per value head: RMS-normed, scaled by its weight, gated by SiLU(z); the backend's step did its rows
+        own = {s.q_start for s in steps} if done is not None else set()
+        rest = slice(None) if not own else [i for i in range(t) if i not in own]
+        if not own or rest:
+            o = out[rest]
+            normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+            gated[rest] = normed * F.silu(z[rest].reshape(o.shape))
         return self.out_proj(gated.view(t, -1).to(h.dtype), decode_rows)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

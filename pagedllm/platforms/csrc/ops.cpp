@@ -2,7 +2,7 @@
 // f32_tile.h), fused RMSNorm (+ residual
 // add), rotary embedding, silu_and_mul, and a row argmax; the Python bindings of every op (attention:
 // attention.cpp, integer KV writes: kv_quant.cpp, other weight formats: linear_bf16.cpp / linear_ggml.cpp /
-// linear_x16.cpp, experts: moe.cpp, grammar masks: mask_rows.cpp).
+// linear_x16.cpp, experts: moe.cpp, grammar masks: mask_rows.cpp, linear attention: gated_delta_net.cpp).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -12,6 +12,7 @@
 
 #include "attention.h"
 #include "f32_tile.h"
+#include "gated_delta_net.h"
 #include "kv_quant.h"
 #include "linear_bf16.h"
 #include "linear_ggml.h"
@@ -191,6 +192,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, double, double>())
       .def("__call__", &MoeExperts::operator());
+  m.def("gated_delta_decode", &gated_delta_decode, "one decode token a sequence through a Gated DeltaNet layer's "
+        "conv, state update and output gate, states in place (fp32, CPU)");
   m.def("packed_linear", &packed_linear, "x @ w.T (+ b) with w packed in 48-column panels (fp32, CPU)");
   m.def("f32_strip", [] { return f32::SW; }, "the columns of one strip of packed_linear's panels on this build");
 }
