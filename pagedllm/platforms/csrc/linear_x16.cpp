@@ -31,6 +31,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16_tile.h"
 #include "f32_tile.h"
@@ -619,27 +620,40 @@ void x16_panel(int64_t type, const torch::Tensor& w, int64_t K, int64_t p, uint1
       const uint8_t* c = chunk_ptr(wp, L, nch, grp, g);
       __m512 dvh[2], mvh[2];  // per half of the chunk (they differ for Q6_K only)
       chunk_scales16(c, L, g, dvh, mvh);
-      __m512 wk[2];
-      for (int k = 0; k < 32; ++k) {
-        const __m512 dv = dvh[k / 16], mv = mvh[k / 16];
-        __m512i q;
-        if (L.q6) {
-          const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (k / 4));
-          q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (k % 4)), _mm512_set1_epi32(0xff));
-        } else if (L.is_q8) {
-          const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (k / 4));
-          q = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * (k % 4)), 24);  // sign-extend byte k % 4
-        } else {
-          const int kk = k % 16;
-          const __m512i v = _mm512_loadu_si512(c + L.quant_at + 64 * (kk / 4));
-          q = _mm512_and_si512(_mm512_srli_epi32(v, 8 * (kk % 4) + (k < 16 ? 0 : 4)), low4);
-          if (L.fp4) q = _mm512_permutexvar_epi32(q, fp4_values);  // the code's int8 value, as int32
-        }
-        wk[k % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dv, mv);  // weight k of the 16 rows
-        if (k % 2) {  // [w_k(row 0), w_k+1(row 0), w_k(row 1), ...]: one convert of both, one interleave
-          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(wk[1], wk[0]);  // [w_k rows 0-15 | w_k+1 rows 0-15]
+      const uint8_t* qs = c + L.quant_at;
+      // the quants' kind chosen once a chunk and the k loop unrolled: with the kind tested at every k, GCC kept
+      // each weight vector on the stack between the two of a pair (a store and a reload a k)
+      auto pairs = [&](auto kind) {
+        constexpr int K = decltype(kind)::value;  // 0: Q4 nibbles, 1: MXFP4 nibbles, 2: Q8 bytes, 3: Q6 bytes
+        auto weights = [&](int k) {  // weight k of the 16 rows
+          __m512i q;
+          if constexpr (K == 3) {
+            q = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(qs + 64 * (k / 4)), 8 * (k % 4)),
+                                 _mm512_set1_epi32(0xff));
+          } else if constexpr (K == 2) {  // sign-extend byte k % 4
+            q = _mm512_srai_epi32(_mm512_slli_epi32(_mm512_loadu_si512(qs + 64 * (k / 4)), 24 - 8 * (k % 4)), 24);
+          } else {
+            const int kk = k % 16;
+            q = _mm512_and_si512(_mm512_srli_epi32(_mm512_loadu_si512(qs + 64 * (kk / 4)), 8 * (kk % 4) + (k < 16 ? 0 : 4)),
+                                 low4);
+            if constexpr (K == 1) q = _mm512_permutexvar_epi32(q, fp4_values);  // the code's int8 value, as int32
+          }
+          return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), dvh[k / 16], mvh[k / 16]);
+        };
+#pragma GCC unroll 16
+        for (int k = 0; k < 32; k += 2) {  // [w_k(row 0), w_k+1(row 0), w_k(row 1), ...]: one convert, one interleave
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weights(k + 1), weights(k));  // [w_k | w_k+1] rows 0-15
           _mm512_storeu_si512(dst + (k / 2) * bf16::NR * 2, _mm512_permutexvar_epi16(interleave, both));
         }
+      };
+      if (L.q6) {
+        pairs(std::integral_constant<int, 3>{});
+      } else if (L.is_q8) {
+        pairs(std::integral_constant<int, 2>{});
+      } else if (L.fp4) {
+        pairs(std::integral_constant<int, 1>{});
+      } else {
+        pairs(std::integral_constant<int, 0>{});
       }
     }
   }
