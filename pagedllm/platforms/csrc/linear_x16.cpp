@@ -14,7 +14,8 @@
 // offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K)
 // seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da.
 // Weights are streamed once; about 0.1 instructions per weight at one row of x.
-// Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma.
+// Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma, each pair of k one
+// convert to bf16 and one interleave, the chunk's 16 scales a few vector loads.
 // ISA paths (compile-time):
 //   AVX512F + BW + VNNI: every type above as described (the panels' fast path: + AVX512-BF16);
 //   AVX2 + FMA + F16C: Q4_0 / Q4_1 / Q8_0, the same bytes read as two halves of 8 rows (bytes 0-31 of each 64-byte
