@@ -7,7 +7,7 @@ Run: .venv/bin/pagedllm bench random-gguf /tmp/qwen35-9b-q4_0.gguf --shape qwen3
 import argparse
 import statistics
 
-import torch
+from long_context_decode import skip_prompts  # benchmarks/ is the script's directory
 
 import pagedllm.model_executor.layers.backends as backends
 from pagedllm import LLM, SamplingParams
@@ -22,15 +22,7 @@ def main() -> None:
     args = ap.parse_args()
     fused = backends.CpuKernels.gated_delta_decode
     llm = LLM(model=args.model, max_model_len=args.context + args.output_len + 16, kv_cache_memory="1536MiB")
-    model = llm.engine.runner.model
-    forward = model.forward
-
-    def prompt_free(input_ids, positions, caches, meta, logits_indices):
-        if meta.num_decode_rows == 0:  # a prompt step: nothing computed
-            return torch.zeros(len(logits_indices), model.cfg.vocab_size)
-        return forward(input_ids, positions, caches, meta, logits_indices)
-
-    model.forward = prompt_free
+    skip_prompts(llm)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rates: dict[str, list[float]] = {"torch steps": [], "fused op": []}
     same = True

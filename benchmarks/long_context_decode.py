@@ -18,6 +18,21 @@ import torch
 from pagedllm import LLM, SamplingParams
 
 
+def skip_prompts(llm: LLM):
+    """The engine's model with prompt steps not computed (zero logits; the KV slots and states keep their zeros):
+    every decode step after them is the real model over all of the context's positions. Returns the model."""
+    model = llm.engine.runner.model
+    forward = model.forward
+
+    def prompt_free(input_ids, positions, caches, meta, logits_indices):
+        if meta.num_decode_rows == 0:  # a prompt step: nothing computed
+            return torch.zeros(len(logits_indices), model.cfg.vocab_size)
+        return forward(input_ids, positions, caches, meta, logits_indices)
+
+    model.forward = prompt_free
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -37,15 +52,7 @@ def main() -> None:
     longest = max(args.contexts) + args.output_len + 16
     llm = LLM(model=args.model, max_model_len=longest, kv_cache_memory=args.kv_cache_memory,
               kv_cache_dtype=args.kv_cache_dtype)
-    model = llm.engine.runner.model
-    forward = model.forward
-
-    def prompt_free(input_ids, positions, caches, meta, logits_indices):
-        if meta.num_decode_rows == 0:  # a prompt step: nothing computed
-            return torch.zeros(len(logits_indices), model.cfg.vocab_size)
-        return forward(input_ids, positions, caches, meta, logits_indices)
-
-    model.forward = prompt_free
+    model = skip_prompts(llm)
     sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rates: dict[int, list[float]] = {n: [] for n in args.contexts}
     for r in range(args.rounds):  # interleaved: the host's speed drifts

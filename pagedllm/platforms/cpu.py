@@ -210,7 +210,8 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.linear_ggml_silu_mul, mod.linear_ggml_normed, mod.dequantize_ggml,
                mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts, mod.f32_strip(), mod.gated_delta_decode)
+               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts, mod.f32_strip(),
+               mod.gated_delta_decode)
 
 
 @cache  # one build per process: the compiled library never changes once loaded

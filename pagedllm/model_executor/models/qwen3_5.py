@@ -133,6 +133,11 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         q, k = l2norm(q) * self.dk ** -0.5, l2norm(k)
         return q, k, v.unflatten(-1, (self.hv, self.dv))
 
+    def _gate(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o [n, Hv, Dv] per value head RMS-normed, scaled by its weight, gated by SiLU(z) (z [n, Hv Dv])."""
+        normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
+        return normed * F.silu(z.reshape(o.shape))
+
     def mix(self, h: torch.Tensor, cache: StateCache, seqs: list[StateSeq], decode_rows: int) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]: each sequence's rows continue its state (zero where it is fresh)."""
         t = h.shape[0]
@@ -142,25 +147,23 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # [T, Hv]: log decay, <= 0
         w = self.conv_weight.float().view(self.conv_dim, self.kernel)
         dev = h.device
-        out = torch.zeros(t, self.hv, self.dv, device=dev)
-        gated = torch.empty(t, self.hv, self.dv, device=dev)  # out, RMS-normed per value head and gated
+        gated = torch.zeros(t, self.hv, self.dv, device=dev)  # each row's output, normed and gated (_gate)
         steps = [s for s in seqs if s.n == 1]
-        done = None
-        if steps:
-            done = self.backend.gated_delta_decode(self, p, [s.q_start for s in steps], [s.slot for s in steps],
-                                                   [s.fresh for s in steps], cache)
-        if done is not None:
-            gated[[s.q_start for s in steps]] = done
-        elif steps:  # one token each: batched
-            rows = torch.tensor([s.q_start for s in steps], device=dev)
-            slots = torch.tensor([s.slot for s in steps], device=dev)
-            keep = torch.tensor([0.0 if s.fresh else 1.0 for s in steps], device=dev)
-            conv_state = cache.conv[slots] * keep[:, None, None]
-            y, cache.conv[slots] = causal_conv(mixed[rows].unsqueeze(-1), conv_state, w)  # y [B, C, 1]
-            q, k, v = self._heads(y[..., 0])
-            o, cache.recurrent[slots] = recurrent_step(q, k, v, g[rows], beta[rows],
-                                                       cache.recurrent[slots] * keep[:, None, None, None])
-            out[rows] = o
+        if steps:  # one token each: batched, in the backend's op where it has one
+            rows = [s.q_start for s in steps]
+            o = self.backend.gated_delta_decode(self, p, rows, [s.slot for s in steps], [s.fresh for s in steps],
+                                                cache)
+            if o is None:
+                idx = torch.tensor(rows, device=dev)
+                slots = torch.tensor([s.slot for s in steps], device=dev)
+                keep = torch.tensor([0.0 if s.fresh else 1.0 for s in steps], device=dev)
+                conv_state = cache.conv[slots] * keep[:, None, None]
+                y, cache.conv[slots] = causal_conv(mixed[idx].unsqueeze(-1), conv_state, w)  # y [B, C, 1]
+                q, k, v = self._heads(y[..., 0])
+                o, cache.recurrent[slots] = recurrent_step(q, k, v, g[idx], beta[idx],
+                                                           cache.recurrent[slots] * keep[:, None, None, None])
+                o = self._gate(o, z[idx])
+            gated[rows] = o
         for s in seqs:
             if s.n == 1:
                 continue
@@ -171,14 +174,7 @@ class Qwen3_5LinearLayer(SharedExpert, DecoderLayer):
             state = cache.recurrent[s.slot] * (0.0 if s.fresh else 1.0)
             o, cache.recurrent[s.slot] = chunked(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                  g[r].T, beta[r].T, state)
-            out[r] = o.transpose(0, 1)
-        # per value head: RMS-normed, scaled by its weight, gated by SiLU(z); the backend's step did its rows
-        own = {s.q_start for s in steps} if done is not None else set()
-        rest = slice(None) if not own else [i for i in range(t) if i not in own]
-        if not own or rest:
-            o = out[rest]
-            normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm_weight.float()
-            gated[rest] = normed * F.silu(z[rest].reshape(o.shape))
+            gated[r] = self._gate(o.transpose(0, 1), z[r])
         return self.out_proj(gated.view(t, -1).to(h.dtype), decode_rows)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
