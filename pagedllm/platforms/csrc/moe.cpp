@@ -72,6 +72,8 @@ X16Act select_rows(const X16Act& all, const int64_t* rows, int64_t n) {
   a.nch = all.nch;
   a.q.resize(all.q.empty() ? 0 : n * a.K);  // int16 or int8 activations, whichever this CPU's dot takes
   a.q8.resize(all.q8.empty() ? 0 : n * a.K);
+  a.lo.resize(all.lo.empty() ? 0 : n * a.K);
+  a.hi.resize(all.hi.empty() ? 0 : n * a.K);
   a.d.resize(n * a.nch);
   a.s.resize(n * a.nch);
   a.sum.resize(n * a.nch);
@@ -80,6 +82,8 @@ X16Act select_rows(const X16Act& all, const int64_t* rows, int64_t n) {
     const int64_t r = rows[i];
     if (!a.q.empty()) std::copy_n(all.q.data() + r * a.K, a.K, a.q.data() + i * a.K);
     if (!a.q8.empty()) std::copy_n(all.q8.data() + r * a.K, a.K, a.q8.data() + i * a.K);
+    if (!a.lo.empty()) std::copy_n(all.lo.data() + r * a.K, a.K, a.lo.data() + i * a.K);
+    if (!a.hi.empty()) std::copy_n(all.hi.data() + r * a.K, a.K, a.hi.data() + i * a.K);
     std::copy_n(all.d.data() + r * a.nch, a.nch, a.d.data() + i * a.nch);
     std::copy_n(all.s.data() + r * a.nch, a.nch, a.s.data() + i * a.nch);
     std::copy_n(all.sum.data() + r * a.nch, a.nch, a.sum.data() + i * a.nch);
