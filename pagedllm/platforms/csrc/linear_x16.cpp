@@ -12,8 +12,8 @@
 // vector of int16 weight pairs (even / odd bytes of the 4-byte groups) and a broadcast activation
 // pair, give the 16 rows' integer dots (MXFP4's nibbles first through a 16-entry table to their int8 values);
 // offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K)
-// seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da. Q4_0 / Q4_1
-// take each int16 activation as two bytes instead (qa = 256 hi + lo): the nibbles as bytes, one vpdpbusd per byte
+// seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da. Q4_0 / Q4_1 /
+// Q4_K take each int16 activation as two bytes instead (qa = 256 hi + lo): the nibbles as bytes, one vpdpbusd per byte
 // and 4-byte group of x gives four products a lane, 16 a chunk, with 12 ops of unpacking where the int16 pairs
 // took 28; the integer sums, and so the outputs, are the same bits.
 // Weights are streamed once; about 0.1 instructions per weight at one row of x.
@@ -353,8 +353,8 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
         dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
         if constexpr (kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
       }
-      if constexpr (TYPE == 2 || TYPE == 3) {
-        // Q4_0 / Q4_1: each int16 activation as a signed high byte and an unsigned low byte (x = 256 hi + lo), so
+      if constexpr (TYPE == 2 || TYPE == 3 || kQK) {
+        // Q4_0 / Q4_1 / Q4_K: each int16 activation as a signed high byte and an unsigned low byte (x = 256 hi + lo), so
         // that the nibbles go through vpdpbusd as bytes, four products a lane, against each byte in turn: half
         // the dot instructions of the int16 pairs and a third of their unpacking, and the same integer sums.
         // wl / wh[t]: lane r holds row r's weights 4t .. 4t + 3 (low nibbles) and 16 + 4t .. 16 + 4t + 3 (high)
