@@ -15,7 +15,8 @@
 // seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da. Q4_0 / Q4_1 /
 // Q4_K take each int16 activation as two bytes instead (qa = 256 hi + lo): the nibbles as bytes, one vpdpbusd per byte
 // and 4-byte group of x gives four products a lane, 16 a chunk, with 12 ops of unpacking where the int16 pairs
-// took 28; the integer sums, and so the outputs, are the same bits.
+// took 28; the integer sums, and so the outputs, are the same bits (Q8_0 the same way, its weights + 128 against
+// the high bytes, was no faster: it has no nibbles to unpack).
 // Weights are streamed once; about 0.1 instructions per weight at one row of x.
 // Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma, each pair of k one
 // convert to bf16 and one interleave, the chunk's 16 scales a few vector loads.
