@@ -25,7 +25,7 @@ struct X16Act {
   int64_t K = 0, nch = 0;
   std::vector<int16_t> q;    // [M, K], reordered in 4s (AVX-512 VNNI; empty on AVX2)
   std::vector<int8_t> q8;    // [M, K] (AVX2; empty on AVX-512 VNNI)
-  std::vector<uint8_t> lo;   // [M, K] in order: q = 256 hi + lo (AVX-512 VNNI's Q4_0 / Q4_1 dot)
+  std::vector<uint8_t> lo;   // [M, K] in order: q = 256 hi + lo (AVX-512 VNNI's Q4_0 / Q4_1 / Q4_K dot)
   std::vector<int8_t> hi;
   std::vector<float> d, s;   // [M, nch]: scale; d * sum(q)
   std::vector<int32_t> sum;    // [M, nch]: sum(q)
