@@ -8,15 +8,16 @@
 // header per 256-weight superblock and their sub-block scales as bytes in each chunk (kQ4KChunk,
 // kQ6KChunk). Bytes per weight: as the file for Q4_0 / Q4_1 / Q8_0, Q4_K +3%, Q6_K +30% (6-bit quants
 // as bytes).
-// Decode (M < 16 rows of x): activations as int16 per 32 (X16Act); per chunk 16 vpdpwssd, each on a
-// vector of int16 weight pairs (even / odd bytes of the 4-byte groups) and a broadcast activation
-// pair, give the 16 rows' integer dots (MXFP4's nibbles first through a 16-entry table to their int8 values);
-// offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K)
-// seed the accumulators, Q4_1 / Q4_K mins add m * da * sum(qa); one fma per chunk applies d * da. Q4_0 / Q4_1 /
-// Q4_K take each int16 activation as two bytes instead (qa = 256 hi + lo): the nibbles as bytes, one vpdpbusd per byte
-// and 4-byte group of x gives four products a lane, 16 a chunk, with 12 ops of unpacking where the int16 pairs
-// took 28; the integer sums, and so the outputs, are the same bits (Q8_0 the same way, its weights + 128 against
-// the high bytes, was no faster: it has no nibbles to unpack).
+// Decode (M < 16 rows of x): activations as int16 per 32 (X16Act), one output row per 32-bit lane.
+//   Q4_0 / Q4_1 / Q4_K: each activation as two bytes (qa = 256 hi + lo), the nibbles as bytes, one vpdpbusd per
+//     byte and 4-byte group of x: four products a lane, 16 a chunk, 12 ops of unpacking (int16 pairs took 16
+//     vpdpwssd and 28 ops; the integer sums, and so the outputs, are the same bits).
+//   Q8_0 / Q6_K / MXFP4: per chunk 16 vpdpwssd, each on a vector of int16 weight pairs (even / odd bytes of the
+//     4-byte groups) and a broadcast activation pair (MXFP4's nibbles first through a 16-entry table to their int8
+//     values). Q8_0 split into bytes as above (its weights + 128 against the high bytes) was no faster: it has no
+//     nibbles to unpack.
+// Offsets (-8 * sum(qa) for Q4_0, -32 * sum per half for Q6_K) seed the accumulators, Q4_1 / Q4_K mins add
+// m * da * sum(qa); one fma per chunk applies d * da.
 // Weights are streamed once; about 0.1 instructions per weight at one row of x.
 // Prefill: a 48-row bf16 panel is 3 groups; each k of 16 rows is one shift, mask, convert and fma, each pair of k one
 // convert to bf16 and one interleave, the chunk's 16 scales a few vector loads.
@@ -319,7 +320,6 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
   constexpr int64_t CB = TYPE == 2 ? 288 : TYPE == 3 ? 320 : TYPE == 8 ? 544 : TYPE == 12 ? 296 : TYPE == 39 ? 272 : 548;
   constexpr int64_t QAT = TYPE == 3 ? 64 : TYPE == 39 ? 16 : 32;
   const __m512i fp4 = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ggml::MXFP4::kValues)));
-  const __m512i m4 = _mm512_set1_epi32(0x000f000f);
   const int64_t K = a.K;
   for (int64_t grp = g_lo; grp < g_hi; ++grp) {
     __m512 acc[T], off[T];
@@ -385,8 +385,8 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
         }
         continue;
       }
-      // w[j]: int16 pairs of weights; the activation pair each needs is int32 p[j] of the reordered row
-      // chunk (Q8: j in order; Q4: j = 4t + {0, 1} take 2t + {0, 1}, 4t + {2, 3} take 8 + 2t + {0, 1})
+      // Q8_0 / Q6_K / MXFP4: w[j], int16 pairs of weights; the activation pair each needs is int32 p[j] of the
+      // reordered row chunk (Q8: j in order; MXFP4: j = 4t + {0, 1} take 2t + {0, 1}, 4t + {2, 3} take 8 + 2t + {0, 1})
       __m512i w[16];
       if constexpr (kQ6) {  // bytes 0..63: even and odd bytes as int16 without sign extension
         for (int t = 0; t < 8; ++t) {
@@ -410,14 +410,6 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
           w[4 * t + 2] = _mm512_srai_epi16(_mm512_slli_epi16(hi, 8), 8);  // 16 + 4t + {0, 2}
           w[4 * t + 3] = _mm512_srai_epi16(hi, 8);                        // 16 + 4t + {1, 3}
         }
-      } else {
-        for (int t = 0; t < 4; ++t) {
-          const __m512i raw = _mm512_loadu_si512(c + QAT + 64 * t);
-          w[4 * t] = _mm512_and_si512(raw, m4);                             // weights 4t + {0, 2}
-          w[4 * t + 1] = _mm512_and_si512(_mm512_srli_epi32(raw, 8), m4);   // 4t + {1, 3}
-          w[4 * t + 2] = _mm512_and_si512(_mm512_srli_epi32(raw, 4), m4);   // 16 + 4t + {0, 2}
-          w[4 * t + 3] = _mm512_and_si512(_mm512_srli_epi32(raw, 12), m4);  // 16 + 4t + {1, 3}
-        }
       }
 #pragma GCC unroll 1  // rows one after another: unrolled, their chains spill the 16 weight registers
       for (int t = 0; t < T; ++t) {
@@ -437,11 +429,9 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
           acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(hi0, hi1)), _mm512_mul_ps(dv_hi, da), acc[t]);
           continue;
         }
-        const int32_t base = kMin || kQ8 || kFP4 ? 0 : -8 * a.sum[r * a.nch + g];
         constexpr int NC = 4;  // independent chains: vpdpwssd's latency, not its throughput, bounds one of 16
         __m512i i[NC];
-        i[0] = _mm512_set1_epi32(base);
-        for (int n = 1; n < NC; ++n) i[n] = _mm512_setzero_si512();
+        for (int n = 0; n < NC; ++n) i[n] = _mm512_setzero_si512();
         for (int j = 0; j < 16; ++j) {
           const int pj = kQ8 ? j : (j % 4 < 2 ? 2 * (j / 4) + j % 4 : 8 + 2 * (j / 4) + j % 4 - 2);
           i[j % NC] = _mm512_dpwssd_epi32(i[j % NC], w[j], _mm512_set1_epi32(p[pj]));
@@ -450,7 +440,6 @@ void dot_groups(const uint8_t* wp, int64_t nch, int64_t g_lo, int64_t g_hi, int6
         for (int n = 1; n < NC; ++n) isum = _mm512_add_epi32(isum, i[n]);
         const __m512 da = _mm512_set1_ps(a.d[r * a.nch + g]);
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dv, da), acc[t]);
-        if constexpr (kMin) off[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[r * a.nch + g]), off[t]);
       }
     }
     const int64_t n0 = grp * 16, live = std::min<int64_t>(16, rows - n0);
