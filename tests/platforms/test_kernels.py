@@ -221,6 +221,45 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):
     assert not (where / "lock").exists()
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "q8_0", "q4_0", "q8_0/q4_0"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 256), (8, 1, 128), (6, 3, 128), (3, 3, 32), (10, 2, 96)])
+def test_paged_attention_quantized_pools_by_head_groups(ops, kv, heads, kv_heads, head_dim):
+    """Compact pools on each of the decode op's paths: 4 and 8 query heads a KV head at D 256 / 128 (q8_0 / q4_0
+    widened a chunk at a time for 4 heads on AVX-512), groups of 2, 1 and 5 at D 128 / 32 / 96 (whole rows widened):
+    a lone row over 300 keys (split across two threads), a row over 7 keys and a window, against SDPA over the same
+    stored values."""
+    from pagedllm.engine.kv_sizing import kv_storage
+    from pagedllm.model_executor.attention import build_mask
+
+    g = torch.Generator().manual_seed(2)
+    dt, cls = kv_storage(kv, torch.float32)
+    cache = cls(24, 16, kv_heads, head_dim, dt, torch.float32)
+    table = torch.randperm(24, generator=g)[:20].view(1, 20)
+    n = 300
+    slots = table[0, torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+    cache.write(slots, torch.randn(n, kv_heads, head_dim, generator=g), torch.randn(n, kv_heads, head_dim, generator=g))
+    k, v = cache.gather(table)  # [1, 320, KVH, D] fp32
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for ctx, window in ((300, 0), (7, 0), (300, 100)):
+            q = torch.randn(1, heads, head_dim, generator=g)
+            out = torch.empty_like(q)
+            k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+            ops.paged_attention(out, cache.rotate(q) if cache.rotated else q, k_pool, v_pool, table,
+                                torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([ctx]),
+                                head_dim ** -0.5, window, k_scale, v_scale, lut)
+            if cache.rotated:
+                out = cache.rotate(out)
+            lo = ctx - window if window else 0
+            qs = q.transpose(0, 1).unsqueeze(0)  # [1, H, 1, D]
+            ref = attention_ref(qs, k[:, lo:ctx].transpose(1, 2), v[:, lo:ctx].transpose(1, 2),
+                                build_mask(1, ctx - lo, None), head_dim ** -0.5, dt)
+            assert_attention_close(out, ref[0].transpose(0, 1), dt)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("window", [0, 300])
 def test_paged_attention_splits_a_lone_rows_keys_across_threads(ops, window: int):
     """One decode row (fewer rows than threads) over 1000 keys: the key ranges computed apart and
