@@ -45,6 +45,8 @@
 // Each tile prefetches the slot rows of the tile two ahead into L2 (sweep_tiles' ahead), a KV head's share before
 // that head's products, so the prefetches interleave with them: 16/4 heads D 256, one row over 32k keys in blocks
 // scattered over the pool, alternated runs on a Zen 4: 8.4 / 10.6 -> 7.8 / 8.9 ms a layer.
+// On AVX-512, q8_0 / q4_0 pools with 4k query heads a KV head and D of 128 or 256 run attend_item_quant: each 16
+// values widened once into a register for 4 heads' products, not a widened row read back once per head (1.1-1.8x).
 // On AMX-BF16 (Sapphire Rapids and later), a bf16 pool's rows over 128 keys or more with D of 128 or 256 run
 // attend_item_amx instead: both products on tiles (decode_amx.h), 1.1-1.3x the vdpbf16ps kernel; over 32k keys
 // (16/4 heads, D 256, one row) 11.0 -> 8.4 ms a layer, where a plain read of the pool takes 6.2 ms.
@@ -662,7 +664,7 @@ inline v16f reduce4(const v16f (&p)[4]) {
 }
 
 // A q8_0 / q4_0 pool's item on AVX-512, D = 16 * ND (K and V each in its own format): attend_item's math with
-// each 16 values of a key widened once into a register and used by the GB query heads of its KV head. attend_item
+// each 16 values of a key widened once into a register and used by 4 query heads of its KV head. attend_item
 // widens whole slot rows into a buffer and reads them back once per query head, one load per FMA at D 256: over
 // 32k keys of q8_0 (16 / 4 heads, one row, two threads on a Zen 4) 13.5-16.1 ms a layer against 9.1-9.3 here, and
 // 377 -> 298 ns a key on cache-resident keys (bf16's vdpbf16ps kernel: 184). Still FMA-bound: fp32 products at
