@@ -131,6 +131,24 @@ inline v16f tile_scores(int cnt, Dot&& dot) {
   return reduce_keys<KT>(p);
 }
 
+// Every cache line of `bytes` from p into L2 (the next tile's slot rows: sweep_tiles' ahead)
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+
+#if defined(__AVX512F__)
+// Values 16 h .. 16 h + 15 of the q8_0 (dtype 3) or q4_0 (4) block at blk as fp32, before its scale: the int8
+// sign-extended, or the nibbles less 8 (values 16-31 in the high nibbles)
+inline __m512 block_half16(const uint8_t* blk, int dtype, int h) {
+  if (dtype == 3)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * h))));
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+  const __m128i n = _mm_and_si128(h ? _mm_srli_epi16(x, 4) : x, _mm_set1_epi8(15));
+  return _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)), _mm512_set1_ps(8.f));
+}
+#endif
+
 // A pool's slot row (KVH heads of D values) as fp32 with each head at a multiple of W = 16 * ND floats:
 // fp32 rows of whole 16-float chunks are read in place, others are widened into buf (whose padding the
 // caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (a gather from the table;
@@ -146,6 +164,11 @@ struct Pool {
 
   int64_t row_bytes() const { return row_stride * (dtype == 0 ? 4 : dtype == 1 ? 2 : 1); }
   const void* row_at(int64_t slot) const { return static_cast<const char*>(data) + slot * row_bytes(); }
+  // slot's KV head kh into L2 (sweep_tiles' ahead)
+  void prefetch_head(int64_t slot, int64_t kh) const {
+    const int64_t hb = row_bytes() / kvh;
+    prefetch_row(static_cast<const char*>(row_at(slot)) + kh * hb, hb);
+  }
 
   template <int ND, bool TAIL>
   inline const float* row(int64_t slot, float* buf) const {
@@ -187,24 +210,12 @@ struct Pool {
       } else if (dtype == 3 || dtype == 4) {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32), 16 values an op
         const int64_t bb = dtype == 3 ? 34 : 18;
         const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * (d / 32) * bb;
-        const __m128i lo4 = _mm_set1_epi8(15);
         for (int64_t b = 0; b < d / 32; ++b) {
           const uint8_t* blk = src + b * bb;
           uint16_t hs;
           std::memcpy(&hs, blk, sizeof(hs));
           const __m512 sc = _mm512_set1_ps(half_to_float(hs));
-          __m512 f[2];
-          if (dtype == 3) {
-            for (int c = 0; c < 2; ++c)
-              f[c] = _mm512_cvtepi32_ps(
-                  _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * c))));
-          } else {  // values 0-15 in the low nibbles, 16-31 in the high ones, less 8
-            const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-            const __m128i n[2] = {_mm_and_si128(x, lo4), _mm_and_si128(_mm_srli_epi16(x, 4), lo4)};
-            for (int c = 0; c < 2; ++c)
-              f[c] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n[c])), _mm512_set1_ps(8.f));
-          }
-          for (int c = 0; c < 2; ++c) _mm512_storeu_ps(dst + 32 * b + 16 * c, _mm512_mul_ps(f[c], sc));
+          for (int h = 0; h < 2; ++h) _mm512_storeu_ps(dst + 32 * b + 16 * h, _mm512_mul_ps(block_half16(blk, dtype, h), sc));
         }
 #endif
       } else {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32)
@@ -320,12 +331,6 @@ inline void sweep_tiles(const Item& it, int64_t KVH, int64_t G, int64_t BS, Row&
   sweep_tiles<KT, GB>(it, KVH, G, BS, row, group, [](int64_t, int64_t) {});
 }
 
-// Every cache line of `bytes` from p into L2 (the next tile's slot rows: sweep_tiles' ahead)
-inline void prefetch_row(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-}
-
 // All heads of one item: key tiles of KT in order (K in pass 1, V in pass 3, each slot row read once and
 // sequentially); within a tile, per KV head its G query heads GB at a time
 template <int ND, int GB, bool TAIL>
@@ -357,10 +362,7 @@ void attend_item(const Item& it, int64_t H, int64_t KVH, const Pool& K, const Po
   auto sweep = [&](const Pool& P, auto&& group) {
     sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) {
       rows[j] = P.row<ND, TAIL>(slot, s.tile.data() + j * KVH * W);
-    }, group, [&](int64_t slot, int64_t kh) {
-      const int64_t hb = P.row_bytes() / P.kvh;
-      prefetch_row(static_cast<const char*>(P.row_at(slot)) + kh * hb, hb);
-    });
+    }, group, [&](int64_t slot, int64_t kh) { P.prefetch_head(slot, kh); });
   };
   // pass 1: scores, KT keys of GB heads at a time, summed across lanes by the shuffle tree
   if (it.phase != 2) sweep(K, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
@@ -646,14 +648,7 @@ struct QuantHead {
 
 // Chunk c (16 values) of a head (dtype: 3 q8_0, 4 q4_0)
 inline __m512 widen16(const QuantHead& h, int dtype, int c) {
-  const __m512 sc = _mm512_set1_ps(h.sc[c / 2]);
-  if (dtype == 3)
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.p + 34 * (c / 2) + 2 + 16 * (c % 2))))),
-                         sc);
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h.p + 18 * (c / 2) + 2));
-  const __m128i n = _mm_and_si128(c % 2 ? _mm_srli_epi16(x, 4) : x, _mm_set1_epi8(15));  // values 16-31: high nibbles
-  return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)), _mm512_set1_ps(8.f)), sc);
+  return _mm512_mul_ps(block_half16(h.p + (dtype == 3 ? 34 : 18) * (c / 2), dtype, c % 2), _mm512_set1_ps(h.sc[c / 2]));
 }
 
 // Lane j < 4 = the sum of p[j]'s lanes
@@ -684,12 +679,6 @@ void attend_item_quant(const Item& it, int64_t H, int64_t KVH, const Pool& K, co
   int64_t slots[KT];
   QuantHead heads[KT];
   auto row = [&](int j, int64_t slot) { slots[j] = slot; };
-  auto ahead = [](const Pool& P) {
-    return [&P](int64_t slot, int64_t kh) {
-      const int64_t hb = P.row_bytes() / P.kvh;
-      prefetch_row(static_cast<const char*>(P.row_at(slot)) + kh * hb, hb);
-    };
-  };
   if (it.phase != 2)
     sweep_tiles<KT, GB>(it, KVH, G, BS, row, [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
       v16f p[GB][KT];
@@ -706,7 +695,7 @@ void attend_item_quant(const Item& it, int64_t H, int64_t KVH, const Pool& K, co
         }
       }
       for (int g = 0; g < GB; ++g) store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce4(p[g]));
-    }, ahead(K));
+    }, [&](int64_t slot, int64_t kh) { K.prefetch_head(slot, kh); });
   softmax_rows(it, sc, H, n, ld, false);
   if (it.phase == 1) return;
   s.acc.assign(H * D, 0.f);
@@ -726,7 +715,7 @@ void attend_item_quant(const Item& it, int64_t H, int64_t KVH, const Pool& K, co
       }
       for (int g = 0; g < GB; ++g) store16(acc + (h0 + g) * D + 16 * c, a[g]);
     }
-  }, ahead(V));
+  }, [&](int64_t slot, int64_t kh) { V.prefetch_head(slot, kh); });
   std::copy(acc, acc + H * D, it.acc);
 }
 
