@@ -41,7 +41,7 @@ class FP8KVCache(KVCache):
         super().__init__(num_blocks, block_size, num_kv_heads, head_dim, dtype, compute_dtype, device)
         self.k_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
         self.v_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
-        self.lut = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # fp8 bits -> value, for the C++ op
+        self.lut = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # fp8 bits -> value: names the format to the C++ op
 
     @staticmethod
     def storage_dtype(name: str) -> torch.dtype:

@@ -221,10 +221,10 @@ def test_stale_build_lock_is_recovered_not_waited_on(ops):
     assert not (where / "lock").exists()
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "q8_0", "q4_0", "q8_0/q4_0"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "q8_0", "q4_0", "q8_0/q4_0"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 4, 256), (8, 1, 128), (6, 3, 128), (3, 3, 32), (10, 2, 96)])
 def test_paged_attention_quantized_pools_by_head_groups(ops, kv, heads, kv_heads, head_dim):
-    """Compact pools on each of the decode op's paths: 4 and 8 query heads a KV head at D 256 / 128 (q8_0 / q4_0
+    """Compact pools on each of the decode op's paths: 4 and 8 query heads a KV head at D 256 / 128 (fp8 / q8_0 / q4_0
     widened a chunk at a time for 4 heads on AVX-512), groups of 2, 1 and 5 at D 128 / 32 / 96 (whole rows widened):
     a lone row over 300 keys (split across two threads), a row over 7 keys and a window, against SDPA over the same
     stored values."""
@@ -258,6 +258,44 @@ def test_paged_attention_quantized_pools_by_head_groups(ops, kv, heads, kv_heads
             assert_attention_close(out, ref[0].transpose(0, 1), dt)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads", [8, 2])
+def test_paged_attention_widens_every_fp8_value_exactly(request, build, fmt, heads):
+    """The op widens fp8 from the bits (no table): one key, so each head's output is its V row as stored (p = 1), here
+    every byte but the NaNs (and e5m2's infinities) once, subnormals included, times a scale; bit-equal to the lut's
+    values, with denormals flushed in the calling thread too. 8 query heads a KV head take the 4-head chunk kernel on
+    AVX-512, 2 the row widening; the AVX2 build its own widening."""
+    ops = request.getfixturevalue("ops_avx2" if build == "avx2" else "ops")
+    dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
+    lut = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    byte = torch.arange(256, dtype=torch.uint8)[lut.isfinite()]
+    v_pool = torch.zeros(1, 16, 2, 128, dtype=torch.uint8)
+    v_pool[0, 0].view(-1)[:len(byte)] = byte
+    k_pool = torch.randint(0, 100, (1, 16, 2, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    k_scale = torch.full((16, 2), 0.75).bfloat16()
+    v_scale = torch.tensor([[1.5, 2.0 ** -120]] * 16).bfloat16()  # the second head's small values go below 2^-126
+    q = torch.randn(1, 2 * heads, 128, generator=torch.Generator().manual_seed(1))
+    out = torch.empty_like(q)
+    meta = (torch.tensor([[0]]), torch.tensor([0]), torch.tensor([0]), torch.tensor([1]), torch.tensor([1]))
+    want = (lut[v_pool[0, 0].long()] * v_scale[0].float().unsqueeze(1)).repeat_interleave(heads, 0)  # [H, D]
+    flushed = want.masked_fill(want.abs() < torch.finfo(torch.float32).tiny, 0.0)
+    assert not torch.equal(flushed, want)  # the case holds fp32 denormals to flush
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the op runs in this thread, so set_flush_denormal reaches it
+        for expect, flush in ((want, False), (flushed, True)):
+            torch.set_flush_denormal(flush)
+            ops.paged_attention(out, q, k_pool, v_pool, *meta, 128 ** -0.5, 0, k_scale, v_scale, lut)
+            torch.set_flush_denormal(False)  # compared without flushing (denormals-are-zero would hide them)
+            assert torch.equal(out, expect.unsqueeze(0))
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="e4m3fn's or e5m2's 256 values"):
+        ops.paged_attention(out, q, k_pool, v_pool, *meta, 128 ** -0.5, 0, k_scale, v_scale, lut * 2)
 
 
 @pytest.mark.parametrize("window", [0, 300])

@@ -29,7 +29,8 @@
 //
 // ISA: GCC vector extensions of 16 floats, so one code path compiles to AVX-512 where -march=native
 // has it and to pairs of AVX2 (or SSE) registers elsewhere; bf16 is widened by a 16-bit shift, fp8
-// through a 256-entry table, q8_0 / q4_0 by converting 16 int8 (or nibbles less 8) at a time, times the scale. Head dims that are not a multiple of 16 go through zero-padded buffers.
+// through its fp16 bits (fp8_half_bits, vcvtph2ps), q8_0 / q4_0 by converting 16 int8 (or nibbles less 8) at a time,
+// times the scale. Head dims that are not a multiple of 16 go through zero-padded buffers.
 // Without AVX-512 (16 ymm registers, which those tiles overflow), an fp32 pool with D in {32, 64, 128, 256}
 // runs attend_item_f32_avx2: the same math in tiles sized for AVX2.
 // With AVX512-BF16, a bf16 pool with D in {32, 64, 96, 128, 256} runs attend_item_bf16 instead: vdpbf16ps on the
@@ -45,7 +46,7 @@
 // Each tile prefetches the slot rows of the tile two ahead into L2 (sweep_tiles' ahead), a KV head's share before
 // that head's products, so the prefetches interleave with them: 16/4 heads D 256, one row over 32k keys in blocks
 // scattered over the pool, alternated runs on a Zen 4: 8.4 / 10.6 -> 7.8 / 8.9 ms a layer.
-// On AVX-512, q8_0 / q4_0 pools with 4k query heads a KV head and D of 128 or 256 run attend_item_quant: each 16
+// On AVX-512, fp8 / q8_0 / q4_0 pools with 4k query heads a KV head and D of 128 or 256 run attend_item_quant: each 16
 // values widened once into a register for 4 heads' products, not a widened row read back once per head (1.1-1.8x).
 // On AMX-BF16 (Sapphire Rapids and later), a bf16 pool's rows over 128 keys or more with D of 128 or 256 run
 // attend_item_amx instead: both products on tiles (decode_amx.h), 1.1-1.3x the vdpbf16ps kernel; over 32k keys
@@ -97,6 +98,35 @@ inline float half_to_float(uint16_t h) {
   return h & 0x8000 ? -mag : mag;
 #endif
 }
+
+// An fp8 byte as the fp16 whose value is the fp8 value times fp8_unbias's inverse: e5m2 is an fp16's top byte; e4m3fn's
+// sign and 7 magnitude bits moved into fp16's places read as its value times 2^-8 (exponent bias 7 against 15),
+// subnormals included. Exact, and F16C's conversions do not flush fp16 subnormals (a table gather, 16 loads an
+// instruction, was the slow part of widening an fp8 row on Zen 4). e4m3fn's NaN (0x7F / 0xFF) reads as +-480; a
+// pool holds it only where its slot's scale is NaN too.
+inline uint16_t fp8_half_bits(uint8_t x, bool e5m2) {
+  return e5m2 ? static_cast<uint16_t>(x << 8) : static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7));
+}
+inline float fp8_unbias(bool e5m2) { return e5m2 ? 1.f : 256.f; }
+
+#if defined(__AVX512F__)
+// 16 fp8 bytes at src as fp16 values widened to fp32 (fp8_half_bits): sign-extended to 16 bits, e4m3's shift by 7
+// puts the sign in bit 15 (and a copy in bit 14, cleared)
+inline __m512 fp8_16(const uint8_t* src, bool e5m2) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m256i h = e5m2 ? _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8)
+                         : _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(-16512));
+  return _mm512_cvtph_ps(h);  // -16512: 0xBF80, bit 15 and bits 7-13
+}
+#elif defined(__F16C__)
+// 8 fp8 bytes at src as fp32 (fp8_half_bits; fp8_16's steps on 8 values)
+inline __m256 fp8_8(const uint8_t* src, bool e5m2) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+  const __m128i h = e5m2 ? _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8)
+                         : _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(-16512));
+  return _mm256_cvtph_ps(h);
+}
+#endif
 
 inline float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -151,16 +181,19 @@ inline __m512 block_half16(const uint8_t* blk, int dtype, int h) {
 
 // A pool's slot row (KVH heads of D values) as fp32 with each head at a multiple of W = 16 * ND floats:
 // fp32 rows of whole 16-float chunks are read in place, others are widened into buf (whose padding the
-// caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (a gather from the table;
-// vpmovsxbd / vpmovzxbd of the bytes or nibbles and vcvtdq2ps): GCC 12 turned the vector-extension conversions of
+// caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (fp8_16; vpmovsxbd / vpmovzxbd
+// of the bytes or nibbles and vcvtdq2ps): GCC 12 turned the vector-extension conversions of
 // the generic path into a byte-by-byte shift and extract, and a 32k-key row over q8_0 took 27 ms a layer (one row,
 // 16 / 4 heads D 256, two threads; bf16 7), 16 ms with these
 struct Pool {
   const void* data;
   int dtype;  // 0 fp32, 1 bf16, 2 fp8, 3 q8_0, 4 q4_0
   int64_t row_stride, kvh, d;  // row_stride: elements of a slot row (bytes for uint8 pools)
-  const float* lut = nullptr;       // fp8: [256] bit pattern -> value
   const uint16_t* scale = nullptr;  // fp8: [NB * BS, KVH] bf16
+  bool e5m2 = false;                // fp8: e5m2, else e4m3fn
+
+  // fp8: the factor of slot's KV head kh that turns fp8_half_bits' values into the stored values times the scale
+  float fp8_scale(int64_t slot, int64_t kh) const { return bf16_to_float(scale[slot * kvh + kh]) * fp8_unbias(e5m2); }
 
   int64_t row_bytes() const { return row_stride * (dtype == 0 ? 4 : dtype == 1 ? 2 : 1); }
   const void* row_at(int64_t slot) const { return static_cast<const char*>(data) + slot * row_bytes(); }
@@ -195,17 +228,14 @@ struct Pool {
         }
       } else if (dtype == 2) {
         const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * d;
-        const float sc = bf16_to_float(scale[slot * kvh + kh]);
+        const float sc = fp8_scale(slot, kh);
 #if defined(__AVX512F__)
-        if (!TAIL) {  // 16 table lookups a gather
-          for (int64_t i = 0; i < d; i += 16) {
-            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-            _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, lut, 4), _mm512_set1_ps(sc)));
-          }
+        if (!TAIL) {
+          for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(fp8_16(src + i, e5m2), _mm512_set1_ps(sc)));
           continue;
         }
 #endif
-        for (int64_t i = 0; i < d; ++i) dst[i] = lut[src[i]] * sc;
+        for (int64_t i = 0; i < d; ++i) dst[i] = half_to_float(fp8_half_bits(src[i], e5m2)) * sc;
 #if defined(__AVX512F__)
       } else if (dtype == 3 || dtype == 4) {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32), 16 values an op
         const int64_t bb = dtype == 3 ? 34 : 18;
@@ -494,13 +524,14 @@ inline void widen_head_avx2(const Pool& P, int64_t slot, int64_t kh, float* dst)
       }
       break;
     }
-    case 2: {  // fp8: the table's value times the slot's scale
+    case 2: {  // fp8: its fp16 bits widened, times the slot's scale
       const uint8_t* src = row + slot * P.row_stride + kh * D;
-      const __m256 sc = _mm256_set1_ps(bf16_to_float(P.scale[slot * P.kvh + kh]));
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_i32gather_ps(P.lut, idx, 4), sc));
-      }
+      const float sc = P.fp8_scale(slot, kh);
+#if defined(__F16C__)
+      for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(fp8_8(src + i, P.e5m2), _mm256_set1_ps(sc)));
+#else
+      for (int64_t i = 0; i < D; ++i) dst[i] = half_to_float(fp8_half_bits(src[i], P.e5m2)) * sc;
+#endif
       break;
     }
     case 3: {  // q8_0: 32 int8 times the block's fp16 scale
@@ -628,14 +659,19 @@ ItemFn pick_widened(int64_t) { return nullptr; }
 #endif
 
 #if defined(__AVX512F__)
-// One KV head of a slot row in a q8_0 or q4_0 pool, found once a tile: its blocks and their fp16 scales as fp32, so
-// that widening a chunk of 16 values is a load, two converts and a multiply: the products Pool::row makes (the same
-// values)
+// One KV head of a slot row in an fp8, q8_0 or q4_0 pool, found once a tile: its bytes and their scales as fp32 (the
+// slot's for fp8, a block's for q8_0 / q4_0), so that widening a chunk of 16 values is a load, a few converts and a
+// multiply: the products Pool::row makes (the same values)
 struct QuantHead {
   const uint8_t* p;
-  float sc[8];  // blocks of 32 (D <= 256)
+  float sc[8];  // fp8: sc[0]; q8_0 / q4_0: blocks of 32 (D <= 256)
 
   void at(const Pool& P, int64_t slot, int64_t kh) {
+    if (P.dtype == 2) {
+      p = static_cast<const uint8_t*>(P.data) + slot * P.row_stride + kh * P.d;
+      sc[0] = P.fp8_scale(slot, kh);
+      return;
+    }
     const int64_t bb = P.dtype == 3 ? 34 : 18;
     p = static_cast<const uint8_t*>(P.data) + slot * P.row_stride + kh * (P.d / 32) * bb;
     for (int64_t b = 0; b < P.d / 32; ++b) {
@@ -646,9 +682,10 @@ struct QuantHead {
   }
 };
 
-// Chunk c (16 values) of a head (dtype: 3 q8_0, 4 q4_0)
-inline __m512 widen16(const QuantHead& h, int dtype, int c) {
-  return _mm512_mul_ps(block_half16(h.p + (dtype == 3 ? 34 : 18) * (c / 2), dtype, c % 2), _mm512_set1_ps(h.sc[c / 2]));
+// Chunk c (16 values) of a head of pool P
+inline __m512 widen16(const QuantHead& h, const Pool& P, int c) {
+  if (P.dtype == 2) return _mm512_mul_ps(fp8_16(h.p + 16 * c, P.e5m2), _mm512_set1_ps(h.sc[0]));
+  return _mm512_mul_ps(block_half16(h.p + (P.dtype == 3 ? 34 : 18) * (c / 2), P.dtype, c % 2), _mm512_set1_ps(h.sc[c / 2]));
 }
 
 // Lane j < 4 = the sum of p[j]'s lanes
@@ -658,7 +695,7 @@ inline v16f reduce4(const v16f (&p)[4]) {
   return pair_sum(l3, l3);
 }
 
-// A q8_0 / q4_0 pool's item on AVX-512, D = 16 * ND (K and V each in its own format): attend_item's math with
+// An fp8 / q8_0 / q4_0 pool's item on AVX-512, D = 16 * ND (K and V each in its own format): attend_item's math with
 // each 16 values of a key widened once into a register and used by 4 query heads of its KV head. attend_item
 // widens whole slot rows into a buffer and reads them back once per query head, one load per FMA at D 256: over
 // 32k keys of q8_0 (16 / 4 heads, one row, two threads on a Zen 4) 13.5-16.1 ms a layer against 9.1-9.3 here, and
@@ -688,7 +725,7 @@ void attend_item_quant(const Item& it, int64_t H, int64_t KVH, const Pool& K, co
 #pragma GCC unroll 16
       for (int c = 0; c < ND; ++c) {
         v16f kv[KT];
-        for (int j = 0; j < KT; ++j) kv[j] = j < cnt ? (v16f)widen16(heads[j], K.dtype, c) : v16f{0};
+        for (int j = 0; j < KT; ++j) kv[j] = j < cnt ? (v16f)widen16(heads[j], K, c) : v16f{0};
         for (int g = 0; g < GB; ++g) {
           const v16f qv = load16(q + (h0 + g) * D + 16 * c);
           for (int j = 0; j < KT; ++j) p[g][j] += qv * kv[j];
@@ -710,7 +747,7 @@ void attend_item_quant(const Item& it, int64_t H, int64_t KVH, const Pool& K, co
       v16f a[GB];
       for (int g = 0; g < GB; ++g) a[g] = load16(acc + (h0 + g) * D + 16 * c);
       for (int j = 0; j < cnt; ++j) {
-        const v16f vv = (v16f)widen16(heads[j], V.dtype, c);
+        const v16f vv = (v16f)widen16(heads[j], V, c);
         for (int g = 0; g < GB; ++g) a[g] += pb[g][j] * vv;
       }
       for (int g = 0; g < GB; ++g) store16(acc + (h0 + g) * D + 16 * c, a[g]);
@@ -719,9 +756,10 @@ void attend_item_quant(const Item& it, int64_t H, int64_t KVH, const Pool& K, co
   std::copy(acc, acc + H * D, it.acc);
 }
 
-// The item for q8_0 / q4_0 pools (K and V: each widens by its own format) where a KV head has a multiple of 4 query
-// heads and D is 128 or 256: where it was measured faster. With fewer heads to share a widened chunk it was not (9 / 3
-// heads x 64, one row over 576 keys: 32 -> 35-44 us; 64 rows the same), nor on fp8 pools (table gathers).
+// The item for fp8 / q8_0 / q4_0 pools (K and V: each widens by its own format) where a KV head has a multiple of 4
+// query heads and D is 128 or 256: where it was measured faster (fp8 over 32k keys, 16 / 4 heads x 256, one row:
+// 13.9-17.0 -> 11.8-13.4 ms a layer; 457 -> 315 ns a key in cache). With fewer heads to share a widened chunk it was
+// not (9 / 3 heads x 64, one row over 576 keys: 32 -> 35-44 us; 64 rows the same).
 ItemFn pick_quant(int64_t D, int64_t G) {
   if (G % 4 != 0) return nullptr;
   return D == 128 ? attend_item_quant<8> : D == 256 ? attend_item_quant<16> : nullptr;
@@ -1129,7 +1167,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
   const bool fp8 = dtype == 2 || vtype == 2;
   ItemFn own = dt == torch::kBFloat16 ? pick_bf16(D, H / KVH) : dt == torch::kFloat32 ? pick_f32(D) : nullptr;
   if (const ItemFn tiles = dt == torch::kBFloat16 ? pick_amx(D, H, KVH) : nullptr) own = tiles;
-  if (!own && dt == torch::kUInt8 && !fp8) own = pick_quant(D, H / KVH);
+  if (!own && dt == torch::kUInt8) own = pick_quant(D, H / KVH);
   if (!own && dt != torch::kFloat32) own = pick_widened(D);
   const ItemFn fn = own ? own : pick_kernel(D, H / KVH);
   TORCH_CHECK(fn != nullptr, "paged_attention: head_dim ", D, " is not supported (at most 128, or 256)");
@@ -1139,7 +1177,25 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && lut.has_value() && lut->numel() == 256 &&
                     k_scale->scalar_type() == torch::kBFloat16 && k_scale->is_contiguous() && v_scale->is_contiguous(),
                 "paged_attention: an fp8 pool needs bf16 k_scale / v_scale and a 256-entry lut");
-    K.lut = V.lut = lut->data_ptr<float>();
+    // The lut names the fp8 format; the kernels widen the bits themselves (fp8_half_bits), so it must be one of the two
+    const float* table = lut->data_ptr<float>();
+    auto bits = [](float f) {
+      uint32_t u;
+      std::memcpy(&u, &f, sizeof(u));
+      return u;
+    };
+    auto is_format = [&](bool e5m2) {  // compared as bits: -ffast-math may fold isnan and infinities away
+      for (int x = 0; x < 256; ++x) {
+        const uint32_t want = bits(table[x]);
+        if ((want & 0x7fffffffu) <= 0x7f800000u && bits(half_to_float(fp8_half_bits(x, e5m2)) * fp8_unbias(e5m2)) != want)
+          return false;
+      }
+      return true;
+    };
+    const bool e5m2 = is_format(true);
+    TORCH_CHECK(lut->scalar_type() == torch::kFloat32 && lut->is_contiguous() && (e5m2 || is_format(false)),
+                "paged_attention: the lut must be fp32 and hold e4m3fn's or e5m2's 256 values");
+    K.e5m2 = V.e5m2 = e5m2;
     K.scale = reinterpret_cast<const uint16_t*>(k_scale->data_ptr());
     V.scale = reinterpret_cast<const uint16_t*>(v_scale->data_ptr());
   }

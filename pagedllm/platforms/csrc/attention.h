@@ -5,7 +5,8 @@
 #include <vector>
 
 // out[:T] = attention of q's T rows over the paged pool (attention.cpp); k_scale, v_scale [NB, BS, KVH]
-// bf16 and lut [256] fp32 are given for fp8 pools (stored as uint8); sinks [H] fp32: each head's attention
+// bf16 and lut [256] fp32 (the format's values: e4m3fn's or e5m2's, which the op widens from the bits) are given for
+// fp8 pools (stored as uint8); sinks [H] fp32: each head's attention
 // sink (a logit in the softmax's denominator with no value: gpt-oss), or none
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                      torch::Tensor block_tables, torch::Tensor row_seq, torch::Tensor q_start, torch::Tensor q_len,
