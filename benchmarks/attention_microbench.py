@@ -13,7 +13,8 @@ import time
 import torch
 
 if len(sys.argv) > 1:
-    spec = importlib.util.spec_from_file_location("pagedllm_ops", sys.argv[1])
+    # the module's name is the file's up to its first dot (a masked build's is pagedllm_ops_<hash of its flags>)
+    spec = importlib.util.spec_from_file_location(os.path.basename(sys.argv[1]).split(".")[0], sys.argv[1])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     attention = mod.paged_attention
