@@ -7,14 +7,17 @@ two with a bf16 scale per slot and KV head as the engine stores them)."""
 
 import importlib.util
 import os
+import re
 import sys
 import time
 
 import torch
 
 if len(sys.argv) > 1:
-    # the module's name is the file's up to its first dot (a masked build's is pagedllm_ops_<hash of its flags>)
-    spec = importlib.util.spec_from_file_location(os.path.basename(sys.argv[1]).split(".")[0], sys.argv[1])
+    # the module's name as the library exports it (a masked build's is pagedllm_ops_<hash of its flags>)
+    with open(sys.argv[1], "rb") as f:
+        name = re.search(rb"PyInit_(pagedllm_ops\w*)", f.read()).group(1).decode()
+    spec = importlib.util.spec_from_file_location(name, sys.argv[1])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     attention = mod.paged_attention
