@@ -1,8 +1,8 @@
-"""Time to first token of one long prompt over an integer KV pool through each prompt path (SDPA over the
-sequence's dequantized blocks, or the chunk kernel), and a bf16 pool's through the same two; the engines
-alternated round by round.
+"""Time to first token of one long prompt over each KV pool format through each prompt path (SDPA over the
+sequence's dequantized blocks, or the chunk kernel); the engines alternated round by round.
 
     .venv/bin/python benchmarks/kv_prompt_paths.py [--prompt-len 2048] [--rounds 3] [--model PATH]
+      [--kv-dtypes q8_0,bfloat16]   (fp8_e4m3 and fp8_e5m2 too)
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kv-dtypes", default="q8_0,bfloat16")
     args = p.parse_args()
     engines = {}
-    for name, kv, chunk in [("q8_0, chunk kernel", "q8_0", True), ("q8_0, SDPA", "q8_0", False),
-                            ("bfloat16, chunk kernel", "bfloat16", True), ("bfloat16, SDPA", "bfloat16", False)]:
+    for kv, chunk in [(kv, chunk) for kv in args.kv_dtypes.split(",") for chunk in (True, False)]:
+        name = f"{kv}, {'chunk kernel' if chunk else 'SDPA'}"
         e = LLMEngine(EngineConfig(model=args.model, kv_cache_dtype=kv, kv_cache_memory="1GiB",
                                    max_model_len=args.prompt_len + 64, enable_prefix_caching=False))
         e.runner.chunk_op = chunk  # the path under test, whatever this CPU's default is

@@ -9,9 +9,9 @@ every sequence attends over its own blocks. The rows of a step are ordered:
    context length, and each mid-sequence chunk gathers its blocks under an offset causal mask.
 2. prefills: fresh prompts (nothing cached before them) and long mid-sequence chunks. Over a bf16 pool
    with the C++ op, one call attends them all on bf16 dot products, K/V read from the pool (q and p
-   rounded to bf16, as the op's paged rows do for that pool); over a q8_0 / q4_0 pool the same call, the
-   blocks widened and rounded to bf16 as it gathers them. Otherwise SDPA: fresh prompts on their
-   own new K/V, chunks on their gathered blocks.
+   rounded to bf16, as the op's paged rows do for that pool); over an fp8 or q8_0 / q4_0 pool the same call
+   where the CPU has bf16 dot products, the blocks widened and rounded to bf16 as it gathers them. Otherwise
+   SDPA: fresh prompts on their own new K/V, chunks on their gathered blocks.
 """
 
 from __future__ import annotations
@@ -184,7 +184,10 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
         return _attend_rotated(ops, qkv, heads(), cache, meta, scale, sinks)
     if meta.op is None or cache.lossy:
         ops.rope_(qkv, cos, sin, num_heads + kvh, d)
-        return paged_attention(*heads(), cache, meta, scale, sinks)
+        out = paged_attention(*heads(), cache, meta, scale, sinks)
+        if meta.chunks is not None:  # an fp8 pool's prompts (written by paged_attention's cache.write)
+            _attend_chunks(ops, heads()[0], cache, meta, scale, out, sinks)
+        return out
     p = meta.paged
     rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)
     c = meta.chunks
@@ -214,14 +217,22 @@ def _attend_rotated(ops: Ops, qkv: torch.Tensor, heads: tuple[torch.Tensor, torc
     if n:
         _attend_paged_rows(qr[:n], cache, meta, scale, out, sinks)
         out[:n] = cache.rotate(out[:n])  # sum p (v R) = (sum p v) R
-    c = meta.chunks
-    if c is not None:  # every row after the paged ones: the chunk kernel widens the blocks it gathers
-        ops.attend_chunks(out, qr, cache.k, cache.v, c.block_tables, c.q_start, c.q_len, c.ctx_len, scale,
-                          meta.sliding_window or 0, c.scratch, sinks)
+    if meta.chunks is not None:
+        _attend_chunks(ops, qr, cache, meta, scale, out, sinks)
         out[n:] = cache.rotate(out[n:])
     else:
         _attend_prefills(q, k, v, cache, meta, scale, out, sinks)
     return out
+
+
+def _attend_chunks(ops: Ops, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                   sinks: torch.Tensor | None) -> None:
+    """The chunk kernel for the rows of meta.chunks (every row after the paged ones), q [T, H, D] in the pool's basis,
+    into out: it widens the blocks of an fp8 or integer pool as it gathers them."""
+    c = meta.chunks
+    k_pool, v_pool, k_scale, v_scale, lut = cache.op_args()
+    ops.attend_chunks(out, q, k_pool, v_pool, c.block_tables, c.q_start, c.q_len, c.ctx_len, scale,
+                      meta.sliding_window or 0, c.scratch, sinks, k_scale, v_scale, lut)
 
 
 def _attend_paged_rows(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float, out: torch.Tensor,

@@ -178,15 +178,15 @@ class CpuKernels(_QKNorm):
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         """The op reads fp32, bf16, fp8 and q8_0 / q4_0 pools in place. A bf16 pool's prefills go to the chunk
         kernel (bf16 dot products) where the tiles fit: head dims of whole 8s, at most 48 query heads a KV head.
-        An integer pool's go there too where the CPU has native bf16 dot products; without them SDPA over the
-        sequence's dequantized blocks was faster and keeps fp32 math (a 2,048-token prompt of the default model
+        An fp8 or integer pool's go there too where the CPU has native bf16 dot products; without them SDPA over
+        the sequence's dequantized blocks was faster and keeps fp32 math (a 2,048-token prompt of the default model
         over a q8_0 pool on a Zen 3: see docs/design/kv-tiers.md)."""
         from ..kv_quant import FP8KVCache, IntKVCache
 
         if cache.k.dtype not in (torch.float32, torch.bfloat16) and not isinstance(cache, (FP8KVCache, IntKVCache)):
             return None, False
         tiles = head_dim % 8 == 0 and heads_per_kv <= 48
-        if isinstance(cache, IntKVCache):
+        if isinstance(cache, (FP8KVCache, IntKVCache)):
             return self.ops.paged_attention, tiles and self.ops.native_bf16
         chunk = tiles and not cache.lossy and cache.k.dtype == torch.bfloat16
         return self.ops.paged_attention, chunk

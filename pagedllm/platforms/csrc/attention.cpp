@@ -29,7 +29,7 @@
 //
 // ISA: GCC vector extensions of 16 floats, so one code path compiles to AVX-512 where -march=native
 // has it and to pairs of AVX2 (or SSE) registers elsewhere; bf16 is widened by a 16-bit shift, fp8
-// through its fp16 bits (fp8_half_bits, vcvtph2ps), q8_0 / q4_0 by converting 16 int8 (or nibbles less 8) at a time,
+// through its fp16 bits (kv_formats.h), q8_0 / q4_0 by converting 16 int8 (or nibbles less 8) at a time,
 // times the scale. Head dims that are not a multiple of 16 go through zero-padded buffers.
 // Without AVX-512 (16 ymm registers, which those tiles overflow), an fp32 pool with D in {32, 64, 128, 256}
 // runs attend_item_f32_avx2: the same math in tiles sized for AVX2.
@@ -61,6 +61,7 @@
 #include "attention.h"
 #include "bf16_tile.h"
 #include "decode_amx.h"
+#include "kv_formats.h"
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
@@ -78,6 +79,8 @@
 
 namespace {
 
+using kvfmt::fp8_row;
+using kvfmt::half_to_float;
 using vec::load16;
 using vec::store16;
 using vec::v16f;
@@ -86,47 +89,6 @@ using vec::v16u;
 
 typedef int8_t v16c __attribute__((vector_size(16)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
-  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -24)
-                    : e == 31 ? (m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity())
-                              : std::ldexp(static_cast<float>(m | 0x400), static_cast<int>(e) - 25);
-  return h & 0x8000 ? -mag : mag;
-#endif
-}
-
-// An fp8 byte as the fp16 whose value is the fp8 value times fp8_unbias's inverse: e5m2 is an fp16's top byte; e4m3fn's
-// sign and 7 magnitude bits moved into fp16's places read as its value times 2^-8 (exponent bias 7 against 15),
-// subnormals included. Exact, and F16C's conversions do not flush fp16 subnormals (a table gather, 16 loads an
-// instruction, was the slow part of widening an fp8 row on Zen 4). e4m3fn's NaN (0x7F / 0xFF) reads as +-480; a
-// pool holds it only where its slot's scale is NaN too.
-inline uint16_t fp8_half_bits(uint8_t x, bool e5m2) {
-  return e5m2 ? static_cast<uint16_t>(x << 8) : static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7));
-}
-inline float fp8_unbias(bool e5m2) { return e5m2 ? 1.f : 256.f; }
-
-#if defined(__AVX512F__)
-// 16 fp8 bytes at src as fp16 values widened to fp32 (fp8_half_bits): sign-extended to 16 bits, e4m3's shift by 7
-// puts the sign in bit 15 (and a copy in bit 14, cleared)
-inline __m512 fp8_16(const uint8_t* src, bool e5m2) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m256i h = e5m2 ? _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8)
-                         : _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(-16512));
-  return _mm512_cvtph_ps(h);  // -16512: 0xBF80, bit 15 and bits 7-13
-}
-#elif defined(__F16C__)
-// 8 fp8 bytes at src as fp32 (fp8_half_bits; fp8_16's steps on 8 values)
-inline __m256 fp8_8(const uint8_t* src, bool e5m2) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
-  const __m128i h = e5m2 ? _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8)
-                         : _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(-16512));
-  return _mm256_cvtph_ps(h);
-}
-#endif
 
 inline float bf16_to_float(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -181,7 +143,7 @@ inline __m512 block_half16(const uint8_t* blk, int dtype, int h) {
 
 // A pool's slot row (KVH heads of D values) as fp32 with each head at a multiple of W = 16 * ND floats:
 // fp32 rows of whole 16-float chunks are read in place, others are widened into buf (whose padding the
-// caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (fp8_16; vpmovsxbd / vpmovzxbd
+// caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (kvfmt::fp8_16; vpmovsxbd / vpmovzxbd
 // of the bytes or nibbles and vcvtdq2ps): GCC 12 turned the vector-extension conversions of
 // the generic path into a byte-by-byte shift and extract, and a 32k-key row over q8_0 took 27 ms a layer (one row,
 // 16 / 4 heads D 256, two threads; bf16 7), 16 ms with these
@@ -192,8 +154,8 @@ struct Pool {
   const uint16_t* scale = nullptr;  // fp8: [NB * BS, KVH] bf16
   bool e5m2 = false;                // fp8: e5m2, else e4m3fn
 
-  // fp8: the factor of slot's KV head kh that turns fp8_half_bits' values into the stored values times the scale
-  float fp8_scale(int64_t slot, int64_t kh) const { return bf16_to_float(scale[slot * kvh + kh]) * fp8_unbias(e5m2); }
+  // fp8: the factor of slot's KV head kh that turns kvfmt::fp8_half_bits' values into the stored values times the scale
+  float fp8_scale(int64_t slot, int64_t kh) const { return bf16_to_float(scale[slot * kvh + kh]) * kvfmt::fp8_unbias(e5m2); }
 
   int64_t row_bytes() const { return row_stride * (dtype == 0 ? 4 : dtype == 1 ? 2 : 1); }
   const void* row_at(int64_t slot) const { return static_cast<const char*>(data) + slot * row_bytes(); }
@@ -228,14 +190,7 @@ struct Pool {
         }
       } else if (dtype == 2) {
         const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * d;
-        const float sc = fp8_scale(slot, kh);
-#if defined(__AVX512F__)
-        if (!TAIL) {
-          for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(fp8_16(src + i, e5m2), _mm512_set1_ps(sc)));
-          continue;
-        }
-#endif
-        for (int64_t i = 0; i < d; ++i) dst[i] = half_to_float(fp8_half_bits(src[i], e5m2)) * sc;
+        fp8_row(src, d, e5m2, fp8_scale(slot, kh), dst);
 #if defined(__AVX512F__)
       } else if (dtype == 3 || dtype == 4) {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32), 16 values an op
         const int64_t bb = dtype == 3 ? 34 : 18;
@@ -526,12 +481,7 @@ inline void widen_head_avx2(const Pool& P, int64_t slot, int64_t kh, float* dst)
     }
     case 2: {  // fp8: its fp16 bits widened, times the slot's scale
       const uint8_t* src = row + slot * P.row_stride + kh * D;
-      const float sc = P.fp8_scale(slot, kh);
-#if defined(__F16C__)
-      for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(fp8_8(src + i, P.e5m2), _mm256_set1_ps(sc)));
-#else
-      for (int64_t i = 0; i < D; ++i) dst[i] = half_to_float(fp8_half_bits(src[i], P.e5m2)) * sc;
-#endif
+      fp8_row(src, D, P.e5m2, P.fp8_scale(slot, kh), dst);
       break;
     }
     case 3: {  // q8_0: 32 int8 times the block's fp16 scale
@@ -684,7 +634,7 @@ struct QuantHead {
 
 // Chunk c (16 values) of a head of pool P
 inline __m512 widen16(const QuantHead& h, const Pool& P, int c) {
-  if (P.dtype == 2) return _mm512_mul_ps(fp8_16(h.p + 16 * c, P.e5m2), _mm512_set1_ps(h.sc[0]));
+  if (P.dtype == 2) return _mm512_mul_ps(kvfmt::fp8_16(h.p + 16 * c, P.e5m2), _mm512_set1_ps(h.sc[0]));
   return _mm512_mul_ps(block_half16(h.p + (P.dtype == 3 ? 34 : 18) * (c / 2), P.dtype, c % 2), _mm512_set1_ps(h.sc[c / 2]));
 }
 
@@ -1177,25 +1127,10 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value() && lut.has_value() && lut->numel() == 256 &&
                     k_scale->scalar_type() == torch::kBFloat16 && k_scale->is_contiguous() && v_scale->is_contiguous(),
                 "paged_attention: an fp8 pool needs bf16 k_scale / v_scale and a 256-entry lut");
-    // The lut names the fp8 format; the kernels widen the bits themselves (fp8_half_bits), so it must be one of the two
-    const float* table = lut->data_ptr<float>();
-    auto bits = [](float f) {
-      uint32_t u;
-      std::memcpy(&u, &f, sizeof(u));
-      return u;
-    };
-    auto is_format = [&](bool e5m2) {  // compared as bits: -ffast-math may fold isnan and infinities away
-      for (int x = 0; x < 256; ++x) {
-        const uint32_t want = bits(table[x]);
-        if ((want & 0x7fffffffu) <= 0x7f800000u && bits(half_to_float(fp8_half_bits(x, e5m2)) * fp8_unbias(e5m2)) != want)
-          return false;
-      }
-      return true;
-    };
-    const bool e5m2 = is_format(true);
-    TORCH_CHECK(lut->scalar_type() == torch::kFloat32 && lut->is_contiguous() && (e5m2 || is_format(false)),
-                "paged_attention: the lut must be fp32 and hold e4m3fn's or e5m2's 256 values");
-    K.e5m2 = V.e5m2 = e5m2;
+    // The lut names the fp8 format; the kernels widen the bits themselves (kv_formats.h)
+    const int format = lut->scalar_type() == torch::kFloat32 && lut->is_contiguous() ? kvfmt::fp8_format_of(lut->data_ptr<float>()) : -1;
+    TORCH_CHECK(format >= 0, "paged_attention: the lut must be fp32 and hold e4m3fn's or e5m2's 256 values");
+    K.e5m2 = V.e5m2 = format == 1;
     K.scale = reinterpret_cast<const uint16_t*>(k_scale->data_ptr());
     V.scale = reinterpret_cast<const uint16_t*>(v_scale->data_ptr());
   }

@@ -31,13 +31,17 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
                             c10::optional<torch::Tensor> chunk_scratch, c10::optional<torch::Tensor> sinks);
 
-// Prefill chunks over a bf16 or q8_0 / q4_0 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i] rows from
-// q_start[i] are the last of its ctx_len[i] positions, its keys in the blocks of block_tables[i]; writes
+// Prefill chunks over a bf16, fp8 or q8_0 / q4_0 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i]
+// rows from q_start[i] are the last of its ctx_len[i] positions, its keys in the blocks of block_tables[i]; writes
 // those rows of out [T, H, D]. scratch: a uint8 tensor the op grows to what it needs and leaves so (pass the
-// same one to every layer of a step: its pages are touched once)
+// same one to every layer of a step: its pages are touched once). k_scale, v_scale and lut as paged_attention's
+// (fp8 pools only).
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
-                   double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks);
+                   double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks,
+                   c10::optional<torch::Tensor> k_scale = c10::nullopt,
+                   c10::optional<torch::Tensor> v_scale = c10::nullopt,
+                   c10::optional<torch::Tensor> lut = c10::nullopt);
 
 // Keys [0, P) of one KV head that the rows of several sequences share (the same blocks in their tables),
 // gathered once (attention_chunks.cpp) into a buffer of shared_keys_bytes: K rows [P + 32, D], V as key pairs

@@ -1,15 +1,15 @@
-// Attention of prefill chunks (fresh prompts and long mid-sequence chunks) over a bf16 or q8_0 / q4_0 paged
+// Attention of prefill chunks (fresh prompts and long mid-sequence chunks) over a bf16, fp8 or q8_0 / q4_0 paged
 // pool, on bf16 dot products: the matrix-product half of attention, where the decode op (attention.cpp) goes a
 // row at a time.
 //
 // Layout: q rows [T, H, D] fp32 with heads contiguous (rows q_stride floats apart: the qkv buffer), the pool
-// [NB, BS, KVH, D] bf16 for K and for V, or uint8 rows of llama.cpp's q8_0 / q4_0 blocks (K and V each in its
-// own; attention.cpp's layout), out [T, H, D] fp32. A chunk's q_len rows are the last of its ctx_len
+// [NB, BS, KVH, D] bf16 for K and for V, or uint8 rows of fp8 values (a bf16 scale per slot and KV head) or of
+// llama.cpp's q8_0 / q4_0 blocks (K and V each in its own; attention.cpp's layout), out [T, H, D] fp32. A chunk's q_len rows are the last of its ctx_len
 // positions; its row i attends keys [lo, hi): hi = ctx_len - q_len + i + 1, lo = hi - window with a window.
 //
 // Once per (chunk, KV head): its K rows gathered contiguous [ctx, D] (d pairs along a row: the broadcast
-// operand of bf16::tile), its V transposed to key pairs [D, ctx / 2] (the P.V reduction runs over keys); integer
-// blocks are widened there and rounded to bf16, so the products never see the pool's own format.
+// operand of bf16::tile), its V transposed to key pairs [D, ctx / 2] (the P.V reduction runs over keys); fp8 and
+// integer heads are widened there and rounded to bf16, so the products never see the pool's own format.
 // Work item = (chunk, KV head, 48 / G query rows), whose rows x the G query heads of the KV head (GQA) fill
 // the 48 lanes of bf16::tile's panel:
 //   S^T [keys, 48] = K . Q^T, 8 keys broadcast at a time against the q panel [D / 2, 48, 2] (q rounded to bf16);
@@ -28,6 +28,7 @@
 #include "attention.h"
 #include "bf16_tile.h"
 #include "ggml_blocks.h"
+#include "kv_formats.h"
 #include "vec16.h"
 
 #include <ATen/Parallel.h>
@@ -202,29 +203,48 @@ void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_
 }
 
 // A pool's K or V heads as the products read them: bf16 rows in place; q8_0 / q4_0 blocks widened
-// (ggml_blocks.h: a head is a row of ggml's Q8_0 / Q4_0 blocks) and rounded to bf16, the chunk's one copy of them
+// (ggml_blocks.h: a head is a row of ggml's Q8_0 / Q4_0 blocks) or fp8 values times their slot's scale
+// (kv_formats.h), rounded to bf16: the chunk's one copy of them
 struct Heads {
   const uint8_t* data;
-  int fmt;  // 0 bf16, 1 q8_0, 2 q4_0
+  int fmt;  // 0 bf16, 1 q8_0, 2 q4_0, 3 fp8
   int64_t row_bytes, head_bytes, D;
+  const uint16_t* scale = nullptr;  // fp8: [NB * BS, KVH] bf16
+  bool e5m2 = false;                // fp8: e5m2, else e4m3fn
 
   // slot's head kh: in place, or in tmp [D] (wide [D]: room for the fp32 values)
   const uint16_t* head(int64_t slot, int64_t kh, uint16_t* tmp, float* wide) const {
     const uint8_t* p = data + slot * row_bytes + kh * head_bytes;
     if (fmt == 0) return reinterpret_cast<const uint16_t*>(p);
-    fmt == 1 ? ggml::dequantize_row<ggml::Q8_0>(p, D, wide) : ggml::dequantize_row<ggml::Q4_0>(p, D, wide);
+    if (fmt == 3) {
+      const int64_t kvh = row_bytes / head_bytes;
+      kvfmt::fp8_row(p, D, e5m2, bf16::from_bf16(scale[slot * kvh + kh]) * kvfmt::fp8_unbias(e5m2), wide);
+    } else {
+      fmt == 1 ? ggml::dequantize_row<ggml::Q8_0>(p, D, wide) : ggml::dequantize_row<ggml::Q4_0>(p, D, wide);
+    }
     for (int64_t d = 0; d < D; ++d) tmp[d] = bf16::to_bf16(wide[d]);
     return tmp;
   }
 };
 
-// The pool's format from its dtype and row length: bf16 [.., D], or uint8 q8_0 / q4_0 [.., D / 32 x 34 | 18]
-Heads heads_of(const torch::Tensor& pool, int64_t D) {
+// The pool's format from its dtype and row length: bf16 [.., D], uint8 fp8 [.., D] (with its bf16 scales [NB, BS,
+// KVH] and the lut that names e4m3fn or e5m2), or uint8 q8_0 / q4_0 [.., D / 32 x 34 | 18]
+Heads heads_of(const torch::Tensor& pool, int64_t D, const c10::optional<torch::Tensor>& scale = c10::nullopt,
+               const c10::optional<torch::Tensor>& lut = c10::nullopt) {
   const int64_t n = pool.size(3), kvh = pool.size(2);
   const auto* data = static_cast<const uint8_t*>(pool.data_ptr());
   if (pool.scalar_type() == torch::kBFloat16 && n == D) return Heads{data, 0, kvh * D * 2, D * 2, D};
+  if (pool.scalar_type() == torch::kUInt8 && n == D) {
+    TORCH_CHECK(scale && lut && scale->scalar_type() == torch::kBFloat16 && scale->is_contiguous() &&
+                    scale->numel() == pool.numel() / D && lut->scalar_type() == torch::kFloat32 &&
+                    lut->is_contiguous() && lut->numel() == 256,
+                "attend_chunks: an fp8 pool needs its bf16 scales [NB, BS, KVH] and a 256-entry fp32 lut");
+    const int format = kvfmt::fp8_format_of(lut->data_ptr<float>());
+    TORCH_CHECK(format >= 0, "attend_chunks: the lut must hold e4m3fn's or e5m2's 256 values");
+    return Heads{data, 3, kvh * D, D, D, reinterpret_cast<const uint16_t*>(scale->data_ptr()), format == 1};
+  }
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && D % 32 == 0 && (n == D / 32 * 34 || n == D / 32 * 18),
-              "attend_chunks: a pool must be bf16, or q8_0 / q4_0 blocks of the query's head_dim");
+              "attend_chunks: a pool must be bf16, fp8, or q8_0 / q4_0 blocks of the query's head_dim");
   return Heads{data, n == D / 32 * 34 ? 1 : 2, kvh * n, n, D};
 }
 
@@ -254,7 +274,9 @@ void gather(const Heads& K, const Heads& V, const int64_t* table, int64_t BS, in
 
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                    torch::Tensor block_tables, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor ctx_len,
-                   double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks) {
+                   double scale, int64_t window, torch::Tensor scratch, c10::optional<torch::Tensor> sinks,
+                   c10::optional<torch::Tensor> k_scale, c10::optional<torch::Tensor> v_scale,
+                   c10::optional<torch::Tensor> lut) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.dim() == 4,
               "attend_chunks: the pools must be contiguous [NB, BS, KVH, row]");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
@@ -266,7 +288,7 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H),
               "attend_chunks: sinks must be fp32 [H]");
   const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
-  const Heads K = heads_of(k_cache, D), V = heads_of(v_cache, D);
+  const Heads K = heads_of(k_cache, D, k_scale, lut), V = heads_of(v_cache, D, v_scale, lut);
   const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();

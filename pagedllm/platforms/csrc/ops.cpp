@@ -161,10 +161,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sinks") = py::none());
   m.def("shared_prefix_groups", &shared_prefix_groups, "the (shared keys, rows) groups paged_attention forms over a "
         "bf16 pool");
-  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16 or q8_0 / q4_0 paged pool on bf16 dot products (CPU)",
+  m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16, fp8 or q8_0 / q4_0 paged pool on bf16 dot "
+        "products (CPU)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("scale"), py::arg("window"),
-        py::arg("scratch"), py::arg("sinks") = py::none());
+        py::arg("scratch"), py::arg("sinks") = py::none(), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none(), py::arg("lut") = py::none());
   m.def("pack_bf16", &pack_bf16, "[O, K] -> bf16 panels [P, K/2, 48, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x @ w.T (+ b), w bf16 packed by pack_bf16, x and y fp32 (CPU)");
   m.def("linear_bf16_silu_mul", &linear_bf16_silu_mul, "silu(gate) * up of x @ [gate | up].T (+ b), w packed by "
