@@ -55,11 +55,13 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
+    def metrics(self) -> dict[str, float]:
+        """Every pagedllm sample of one /metrics scrape (one engine snapshot), by name with its labels."""
+        return {line.split()[0].removeprefix("pagedllm:"): float(line.split()[-1])
+                for line in httpx.get(self.url + "/metrics").text.splitlines() if line.startswith("pagedllm:")}
+
     def metric(self, name: str, labels: str = "") -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(f"pagedllm:{name}{labels} "):
-                return float(line.split()[-1])
-        return 0.0
+        return self.metrics().get(name + labels, 0.0)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
