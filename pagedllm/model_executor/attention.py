@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..platforms.cpu import Ops
 from .kv_cache import KVCache
+from .kv_quant import FP8KVCache
 
 
 @dataclass
@@ -147,9 +148,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] of the new tokens; sinks [H] fp32 or None. Returns [T, H, D]."""
-    cache.write(meta.slot_mapping, k, v)
+                    meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+                    written: bool = False) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] of the new tokens (in the pool already where written); sinks [H] fp32 or
+    None. Returns [T, H, D]."""
+    if not written:
+        cache.write(meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     p = meta.paged
     if p is not None:
@@ -184,9 +188,14 @@ def attention_from_qkv(ops: Ops, qkv: torch.Tensor, cos: torch.Tensor, sin: torc
         return _attend_rotated(ops, qkv, heads(), cache, meta, scale, sinks)
     if meta.op is None or cache.lossy:
         ops.rope_(qkv, cos, sin, num_heads + kvh, d)
-        out = paged_attention(*heads(), cache, meta, scale, sinks)
-        if meta.chunks is not None:  # an fp8 pool's prompts (written by paged_attention's cache.write)
-            _attend_chunks(ops, heads()[0], cache, meta, scale, out, sinks)
+        q, k, v = heads()
+        fp8 = isinstance(cache, FP8KVCache)
+        if fp8:  # the C++ writer: kv_quant.quantize's bytes, without a dozen torch calls a layer
+            ops.quantize_fp8_kv_(cache.k.view(torch.uint8), cache.k_scale, meta.slot_mapping, k, cache.e5m2)
+            ops.quantize_fp8_kv_(cache.v.view(torch.uint8), cache.v_scale, meta.slot_mapping, v, cache.e5m2)
+        out = paged_attention(q, k, v, cache, meta, scale, sinks, written=fp8)
+        if meta.chunks is not None:  # an fp8 pool's prompts
+            _attend_chunks(ops, q, cache, meta, scale, out, sinks)
         return out
     p = meta.paged
     rows, tables = (p.num_rows, (p.block_tables, p.row_seq, p.q_start, p.q_len, p.ctx_len)) if p else (0, (None,) * 5)

@@ -42,6 +42,7 @@ class FP8KVCache(KVCache):
         self.k_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
         self.v_scale = torch.zeros((num_blocks, block_size, num_kv_heads), dtype=SCALE_DTYPE, device=device)
         self.lut = torch.arange(256, dtype=torch.uint8).view(dtype).float()  # fp8 bits -> value: names the format to the C++ op
+        self.e5m2 = dtype == torch.float8_e5m2
 
     @staticmethod
     def storage_dtype(name: str) -> torch.dtype:

@@ -90,6 +90,7 @@ class Ops:
     mask_rows_: object
     shared_prefix_groups: object
     quantize_kv_: object
+    quantize_fp8_kv_: object
     MoeExperts: type  # the extension's class, as it names it
     f32_strip: int  # the columns of one strip of packed_linear's panels (pack_weight's strip)
     gated_delta_decode: object
@@ -210,7 +211,7 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.linear_bf16_silu_mul, mod.linear_bf16_isa(),
                mod.linear_ggml, mod.linear_ggml_silu_mul, mod.linear_ggml_normed, mod.dequantize_ggml,
                mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
-               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.MoeExperts, mod.f32_strip(),
+               mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.quantize_fp8_kv_, mod.MoeExperts, mod.f32_strip(),
                mod.gated_delta_decode)
 
 

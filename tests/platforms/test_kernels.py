@@ -647,6 +647,42 @@ def test_a_killed_builders_compilers_are_stopped_before_the_next_build(tmp_path)
         leftover.kill()
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_quantize_fp8_kv_writes_quantize_bytes_and_scales_at_the_slots(ops, fmt):
+    """The C++ write of fp8 KV rows against kv_quant.quantize (torch's roundings) bit for bit: heads from 1e-30 to
+    1e30, a zero head, fp32 denormals, values at and past the format's largest, an infinity; a head with a NaN is
+    NaN in its scale and bytes; other slots untouched."""
+    from pagedllm.model_executor.kv_quant import FP8_DTYPES, quantize
+
+    dt = FP8_DTYPES[fmt]
+    g = torch.Generator().manual_seed(0)
+    T, KVH, D = 40, 3, 64
+    x = torch.randn(T, KVH, D, generator=g) * torch.logspace(-30, 30, T).view(T, 1, 1)
+    x[0, 0] = 0.0
+    x[1, 1, 5] = float("nan")
+    x[2, 0] = 1e-40
+    x[3, 2, 7] = float("inf")
+    fmax = torch.finfo(dt).max
+    x[4, 1, :6] = torch.tensor([fmax, -fmax, fmax * 1.03, fmax * 1.1, -fmax * 1.2, 1e9])  # rounding at the top
+    pool = torch.full((10, 16, KVH, D), 7, dtype=torch.uint8)
+    scales = torch.full((10, 16, KVH), 3.0, dtype=torch.bfloat16)
+    slots = torch.randperm(160, generator=g)[:T]
+    ops.quantize_fp8_kv_(pool, scales, slots, x, fmt == "fp8_e5m2")
+    q, s = quantize(x, dt)
+    rows, row_scales = pool.view(-1, KVH, D), scales.view(-1, KVH)
+    ok = torch.ones(T, KVH, dtype=torch.bool)
+    ok[1, 1] = False
+    assert torch.equal(rows[slots][ok], q.view(torch.uint8)[ok])
+    assert torch.equal(row_scales[slots][ok].view(torch.int16), s[ok].view(torch.int16))
+    lut = torch.arange(256, dtype=torch.uint8).view(dt).float()
+    assert row_scales[slots][1, 1].isnan() and lut[rows[slots][1, 1].long()].isnan().all()
+    others = torch.ones(160, dtype=torch.bool)
+    others[slots] = False
+    assert bool((rows[others] == 7).all()) and bool((row_scales[others] == 3.0).all())
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.quantize_fp8_kv_(pool, scales, torch.tensor([160]), x[:1], False)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_quantize_kv_writes_quantize_int_bytes_at_the_slots(ops, fmt):
     """The C++ write of integer KV rows against kv_quant.quantize_int (ggml's quantizers bit for bit), rows of

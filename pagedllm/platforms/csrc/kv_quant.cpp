@@ -1,20 +1,26 @@
-// K/V rows written into a paged pool of llama.cpp's integer cache types, quantized on the way in.
+// K/V rows written into a paged pool of llama.cpp's integer cache types, or of fp8, quantized on the way in.
 //
 // Layout: x [T, KVH, D] fp32 (rows x.stride(0) floats apart, heads contiguous; D a multiple of 32), the pool
 // [NB, BS, KVH, D / 32 x bytes] uint8, its row length saying the format: q8_0 (34 bytes a block of 32 values:
 // an fp16 scale d, 32 int8 q, x = d q) or q4_0 (18: d, 16 bytes whose low nibbles hold values 0-15 of the
-// block and high nibbles 16-31, x = d (n - 8)). Row t goes to slot slots[t] = block * BS + offset.
+// block and high nibbles 16-31, x = d (n - 8)). Row t goes to slot slots[t] = block * BS + offset. An fp8 pool is
+// [NB, BS, KVH, D] bytes (e4m3fn or e5m2) with a bf16 scale per slot and KV head beside it ([NB, BS, KVH]): x = q s.
 //
 // The quantizers are ggml's reference ones (quantize_row_q8_0_ref / quantize_row_q4_0_ref) and give the bytes
 // kv_quant.quantize_int gives, bit for bit: the scale's divisions and the products that round to the grid are
 // scalar SSE instructions (builtins the compiler cannot reassociate or contract under -ffast-math), q4_0's
-// x / d + 8.5 in double (the product of two floats is exact there). ISA: scalar; x86's SSE for those steps,
+// x / d + 8.5 in double (the product of two floats is exact there). fp8 heads are kv_quant.quantize's bytes, bit for
+// bit, with c10's roundings (torch's own). ISA: scalar; x86's SSE for those steps,
 // plain C++ elsewhere (where -ffast-math may move the last bit of a scale).
 #include "kv_quant.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #if defined(__SSE2__)
@@ -81,7 +87,68 @@ void quantize_q4_0(const float* x, uint8_t* blk) {  // 32 values -> 18 bytes
   for (int i = 0; i < 16; ++i) blk[2 + i] = static_cast<uint8_t>(n[i] | (n[i + 16] << 4));
 }
 
+inline bool is_nan(float f) {  // by its bits: -ffast-math may fold f != f away
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+// One head of D values -> D fp8 bytes and its bf16 scale, as kv_quant.quantize gives them: scale =
+// bf16(max(amax / fmax, 1e-30)), q = fp8(clamp(x / scale, -fmax, fmax)), by c10's conversions (torch's .to(): round
+// to nearest even). A NaN in the head makes its scale and bytes NaN, as torch's amax does (0xFFFF and 0xFF: the bits
+// torch gave on the hosts tested)
+template <class F8>
+void quantize_fp8(const float* x, int64_t D, float fmax, uint8_t* q, uint16_t* scale) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t d = 0; d < D; ++d) {
+    nan = nan || is_nan(x[d]);
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  if (nan) {
+    *scale = 0xFFFF;
+    std::memset(q, 0xFF, D);
+    return;
+  }
+  const c10::BFloat16 sb(std::max(div_exact(amax, fmax), 1e-30f));
+  *scale = sb.x;
+  const float sf = static_cast<float>(sb);
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = div_exact(x[d], sf);
+    q[d] = F8(is_nan(v) ? v : std::min(std::max(v, -fmax), fmax)).x;
+  }
+}
+
 }  // namespace
+
+void quantize_fp8_kv_(torch::Tensor pool, torch::Tensor scales, torch::Tensor slots, torch::Tensor x, bool e5m2) {
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 4 && pool.is_contiguous(),
+              "quantize_fp8_kv_: the pool must be contiguous uint8 [NB, BS, KVH, D]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "quantize_fp8_kv_: x must be fp32 [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
+              "quantize_fp8_kv_: one int64 slot per row of x");
+  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), num_slots = pool.size(0) * pool.size(1);
+  TORCH_CHECK(pool.size(2) == KVH && pool.size(3) == D, "quantize_fp8_kv_: the pool's rows must be x's heads");
+  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() && scales.numel() == num_slots * KVH,
+              "quantize_fp8_kv_: scales must be contiguous bf16 [NB, BS, KVH]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "quantize_fp8_kv_: slot ", sp[t], " is outside the pool");
+  const float* xp = x.data_ptr<float>();
+  uint8_t* pp = pool.data_ptr<uint8_t>();
+  uint16_t* scp = reinterpret_cast<uint16_t*>(scales.data_ptr());
+  at::parallel_for(0, T * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / KVH, kh = i % KVH, row = sp[t] * KVH + kh;
+      const float* src = xp + t * x.stride(0) + kh * D;
+      if (e5m2)
+        quantize_fp8<c10::Float8_e5m2>(src, D, 57344.f, pp + row * D, scp + row);
+      else
+        quantize_fp8<c10::Float8_e4m3fn>(src, D, 448.f, pp + row * D, scp + row);
+    }
+  });
+}
 
 void quantize_kv_(torch::Tensor pool, torch::Tensor slots, torch::Tensor x) {
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 4 && pool.is_contiguous(),

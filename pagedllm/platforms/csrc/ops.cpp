@@ -144,6 +144,8 @@ torch::Tensor linear_ggml_normed(torch::Tensor x, c10::optional<torch::Tensor> r
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mask_rows_", &mask_rows_, "logits[r, t] = -inf where bit t of bitmask[r] is clear, rows in place (fp32, CPU)");
   m.def("quantize_kv_", &quantize_kv_, "rows [T, KVH, D] quantized into a q8_0 / q4_0 pool at slots (CPU)");
+  m.def("quantize_fp8_kv_", &quantize_fp8_kv_, "rows [T, KVH, D] quantized into an fp8 pool and its scales at slots (CPU)",
+        py::arg("pool"), py::arg("scales"), py::arg("slots"), py::arg("x"), py::arg("e5m2"));
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally after residual += x (fp32, CPU)");
   m.def("rope_", &rope_, "rotary embedding in place on the leading heads of qkv rows (fp32, CPU)");
   m.def("argmax_rows", &argmax_rows, "first argmax of each row (fp32, CPU)");
