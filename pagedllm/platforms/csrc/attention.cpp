@@ -46,8 +46,9 @@
 // Each tile prefetches the slot rows of the tile two ahead into L2 (sweep_tiles' ahead), a KV head's share before
 // that head's products, so the prefetches interleave with them: 16/4 heads D 256, one row over 32k keys in blocks
 // scattered over the pool, alternated runs on a Zen 4: 8.4 / 10.6 -> 7.8 / 8.9 ms a layer.
-// On AVX-512, fp8 / q8_0 / q4_0 pools with 4k query heads a KV head and D of 128 or 256 run attend_item_quant: each 16
-// values widened once into a register for 4 heads' products, not a widened row read back once per head (1.1-1.8x).
+// On AVX-512, fp8 / q8_0 / q4_0 pools with 4k query heads a KV head and D of 128 or 256 run attend_item_quant: each
+// 16 values widened once into a register for 4 heads' products, not a widened row read back once per head
+// (1.1-1.8x).
 // On AMX-BF16 (Sapphire Rapids and later), a bf16 pool's rows over 128 keys or more with D of 128 or 256 run
 // attend_item_amx instead: both products on tiles (decode_amx.h), 1.1-1.3x the vdpbf16ps kernel; over 32k keys
 // (16/4 heads, D 256, one row) 11.0 -> 8.4 ms a layer, where a plain read of the pool takes 6.2 ms.
@@ -143,9 +144,9 @@ inline __m512 block_half16(const uint8_t* blk, int dtype, int h) {
 
 // A pool's slot row (KVH heads of D values) as fp32 with each head at a multiple of W = 16 * ND floats:
 // fp32 rows of whole 16-float chunks are read in place, others are widened into buf (whose padding the
-// caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (kvfmt::fp8_16; vpmovsxbd / vpmovzxbd
-// of the bytes or nibbles and vcvtdq2ps): GCC 12 turned the vector-extension conversions of
-// the generic path into a byte-by-byte shift and extract, and a 32k-key row over q8_0 took 27 ms a layer (one row,
+// caller zeroed). On AVX-512, fp8 / q8_0 / q4_0 heads widen 16 values an instruction (kvfmt::fp8_16;
+// vpmovsxbd / vpmovzxbd of the bytes or nibbles and vcvtdq2ps): GCC 12 turned the vector-extension conversions
+// of the generic path into a byte-by-byte shift and extract, and a 32k-key row over q8_0 took 27 ms a layer (one row,
 // 16 / 4 heads D 256, two threads; bf16 7), 16 ms with these
 struct Pool {
   const void* data;
@@ -154,8 +155,11 @@ struct Pool {
   const uint16_t* scale = nullptr;  // fp8: [NB * BS, KVH] bf16
   bool e5m2 = false;                // fp8: e5m2, else e4m3fn
 
-  // fp8: the factor of slot's KV head kh that turns kvfmt::fp8_half_bits' values into the stored values times the scale
-  float fp8_scale(int64_t slot, int64_t kh) const { return bf16_to_float(scale[slot * kvh + kh]) * kvfmt::fp8_unbias(e5m2); }
+  // fp8: the factor of slot's KV head kh that turns kvfmt::fp8_half_bits' values into the stored values times the
+  // scale
+  float fp8_scale(int64_t slot, int64_t kh) const {
+    return bf16_to_float(scale[slot * kvh + kh]) * kvfmt::fp8_unbias(e5m2);
+  }
 
   int64_t row_bytes() const { return row_stride * (dtype == 0 ? 4 : dtype == 1 ? 2 : 1); }
   const void* row_at(int64_t slot) const { return static_cast<const char*>(data) + slot * row_bytes(); }
@@ -635,7 +639,8 @@ struct QuantHead {
 // Chunk c (16 values) of a head of pool P
 inline __m512 widen16(const QuantHead& h, const Pool& P, int c) {
   if (P.dtype == 2) return _mm512_mul_ps(kvfmt::fp8_16(h.p + 16 * c, P.e5m2), _mm512_set1_ps(h.sc[0]));
-  return _mm512_mul_ps(block_half16(h.p + (P.dtype == 3 ? 34 : 18) * (c / 2), P.dtype, c % 2), _mm512_set1_ps(h.sc[c / 2]));
+  const __m512 x = block_half16(h.p + (P.dtype == 3 ? 34 : 18) * (c / 2), P.dtype, c % 2);
+  return _mm512_mul_ps(x, _mm512_set1_ps(h.sc[c / 2]));
 }
 
 // Lane j < 4 = the sum of p[j]'s lanes
@@ -1128,7 +1133,9 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, 
                     k_scale->scalar_type() == torch::kBFloat16 && k_scale->is_contiguous() && v_scale->is_contiguous(),
                 "paged_attention: an fp8 pool needs bf16 k_scale / v_scale and a 256-entry lut");
     // The lut names the fp8 format; the kernels widen the bits themselves (kv_formats.h)
-    const int format = lut->scalar_type() == torch::kFloat32 && lut->is_contiguous() ? kvfmt::fp8_format_of(lut->data_ptr<float>()) : -1;
+    const int format = lut->scalar_type() == torch::kFloat32 && lut->is_contiguous()
+                           ? kvfmt::fp8_format_of(lut->data_ptr<float>())
+                           : -1;
     TORCH_CHECK(format >= 0, "paged_attention: the lut must be fp32 and hold e4m3fn's or e5m2's 256 values");
     K.e5m2 = V.e5m2 = format == 1;
     K.scale = reinterpret_cast<const uint16_t*>(k_scale->data_ptr());

@@ -4,8 +4,9 @@
 //
 // Layout: q rows [T, H, D] fp32 with heads contiguous (rows q_stride floats apart: the qkv buffer), the pool
 // [NB, BS, KVH, D] bf16 for K and for V, or uint8 rows of fp8 values (a bf16 scale per slot and KV head) or of
-// llama.cpp's q8_0 / q4_0 blocks (K and V each in its own; attention.cpp's layout), out [T, H, D] fp32. A chunk's q_len rows are the last of its ctx_len
-// positions; its row i attends keys [lo, hi): hi = ctx_len - q_len + i + 1, lo = hi - window with a window.
+// llama.cpp's q8_0 / q4_0 blocks (K and V each in its own; attention.cpp's layout), out [T, H, D] fp32. A chunk's
+// q_len rows are the last of its ctx_len positions; its row i attends keys [lo, hi): hi = ctx_len - q_len + i + 1,
+// lo = hi - window with a window.
 //
 // Once per (chunk, KV head): its K rows gathered contiguous [ctx, D] (d pairs along a row: the broadcast
 // operand of bf16::tile), its V transposed to key pairs [D, ctx / 2] (the P.V reduction runs over keys); fp8 and
