@@ -195,18 +195,6 @@ struct Pool {
       } else if (dtype == 2) {
         const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * d;
         fp8_row(src, d, e5m2, fp8_scale(slot, kh), dst);
-#if defined(__AVX512F__)
-      } else if (dtype == 3 || dtype == 4) {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32), 16 values an op
-        const int64_t bb = dtype == 3 ? 34 : 18;
-        const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * (d / 32) * bb;
-        for (int64_t b = 0; b < d / 32; ++b) {
-          const uint8_t* blk = src + b * bb;
-          uint16_t hs;
-          std::memcpy(&hs, blk, sizeof(hs));
-          const __m512 sc = _mm512_set1_ps(half_to_float(hs));
-          for (int h = 0; h < 2; ++h) _mm512_storeu_ps(dst + 32 * b + 16 * h, _mm512_mul_ps(block_half16(blk, dtype, h), sc));
-        }
-#endif
       } else {  // q8_0 / q4_0 blocks of 32 (d a multiple of 32)
         const int64_t bb = dtype == 3 ? 34 : 18;
         const uint8_t* src = static_cast<const uint8_t*>(data) + off + kh * (d / 32) * bb;
@@ -215,6 +203,10 @@ struct Pool {
           uint16_t hs;
           std::memcpy(&hs, blk, sizeof(hs));
           const float sc = half_to_float(hs);
+#if defined(__AVX512F__)  // 16 values an op
+          for (int h = 0; h < 2; ++h)
+            _mm512_storeu_ps(dst + 32 * b + 16 * h, _mm512_mul_ps(block_half16(blk, dtype, h), _mm512_set1_ps(sc)));
+#else
           for (int c = 0; c < 2; ++c) {
             v16f f;
             if (dtype == 3) {
@@ -229,6 +221,7 @@ struct Pool {
             }
             store16(dst + 32 * b + 16 * c, f * sc);
           }
+#endif
         }
       }
     }

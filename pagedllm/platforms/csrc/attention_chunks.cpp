@@ -228,21 +228,28 @@ struct Heads {
   }
 };
 
+// The fp8 format a lut [256] names (kvfmt::fp8_format_of: 1 e5m2, 0 e4m3fn), or -1 without one
+int fp8_format(const c10::optional<torch::Tensor>& lut) {
+  if (!lut) return -1;
+  TORCH_CHECK(lut->scalar_type() == torch::kFloat32 && lut->is_contiguous() && lut->numel() == 256,
+              "attend_chunks: the lut must be a 256-entry fp32 tensor");
+  const int format = kvfmt::fp8_format_of(lut->data_ptr<float>());
+  TORCH_CHECK(format >= 0, "attend_chunks: the lut must hold e4m3fn's or e5m2's 256 values");
+  return format;
+}
+
 // The pool's format from its dtype and row length: bf16 [.., D], uint8 fp8 [.., D] (with its bf16 scales [NB, BS,
-// KVH] and the lut that names e4m3fn or e5m2), or uint8 q8_0 / q4_0 [.., D / 32 x 34 | 18]
+// KVH] and fp8_format's answer for the lut), or uint8 q8_0 / q4_0 [.., D / 32 x 34 | 18]
 Heads heads_of(const torch::Tensor& pool, int64_t D, const c10::optional<torch::Tensor>& scale = c10::nullopt,
-               const c10::optional<torch::Tensor>& lut = c10::nullopt) {
+               int fp8 = -1) {
   const int64_t n = pool.size(3), kvh = pool.size(2);
   const auto* data = static_cast<const uint8_t*>(pool.data_ptr());
   if (pool.scalar_type() == torch::kBFloat16 && n == D) return Heads{data, 0, kvh * D * 2, D * 2, D};
   if (pool.scalar_type() == torch::kUInt8 && n == D) {
-    TORCH_CHECK(scale && lut && scale->scalar_type() == torch::kBFloat16 && scale->is_contiguous() &&
-                    scale->numel() == pool.numel() / D && lut->scalar_type() == torch::kFloat32 &&
-                    lut->is_contiguous() && lut->numel() == 256,
+    TORCH_CHECK(scale && fp8 >= 0 && scale->scalar_type() == torch::kBFloat16 && scale->is_contiguous() &&
+                    scale->numel() == pool.numel() / D,
                 "attend_chunks: an fp8 pool needs its bf16 scales [NB, BS, KVH] and a 256-entry fp32 lut");
-    const int format = kvfmt::fp8_format_of(lut->data_ptr<float>());
-    TORCH_CHECK(format >= 0, "attend_chunks: the lut must hold e4m3fn's or e5m2's 256 values");
-    return Heads{data, 3, kvh * D, D, D, reinterpret_cast<const uint16_t*>(scale->data_ptr()), format == 1};
+    return Heads{data, 3, kvh * D, D, D, reinterpret_cast<const uint16_t*>(scale->data_ptr()), fp8 == 1};
   }
   TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && D % 32 == 0 && (n == D / 32 * 34 || n == D / 32 * 18),
               "attend_chunks: a pool must be bf16, fp8, or q8_0 / q4_0 blocks of the query's head_dim");
@@ -289,7 +296,8 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H),
               "attend_chunks: sinks must be fp32 [H]");
   const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
-  const Heads K = heads_of(k_cache, D, k_scale, lut), V = heads_of(v_cache, D, v_scale, lut);
+  const int fp8 = fp8_format(lut);  // once a call: K and V share it
+  const Heads K = heads_of(k_cache, D, k_scale, fp8), V = heads_of(v_cache, D, v_scale, fp8);
   const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();

@@ -119,22 +119,31 @@ void quantize_fp8(const float* x, int64_t D, float fmax, uint8_t* q, uint16_t* s
   }
 }
 
+// The checks both writers make: op's pool [NB, BS, KVH, row] uint8, x [T, KVH, D] fp32, one slot in the pool a row
+void check_rows(const char* op, const torch::Tensor& pool, const torch::Tensor& slots, const torch::Tensor& x) {
+  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 4 && pool.is_contiguous(), op,
+              ": the pool must be contiguous uint8 [NB, BS, KVH, row]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), op,
+              ": x must be fp32 [T, KVH, D] with contiguous heads");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0), op,
+              ": one int64 slot per row of x");
+  TORCH_CHECK(pool.size(2) == x.size(1), op, ": the pool and x have different KV heads");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, op, ": slot ", sp[t], " is outside the pool");
+}
+
 }  // namespace
 
 void quantize_fp8_kv_(torch::Tensor pool, torch::Tensor scales, torch::Tensor slots, torch::Tensor x, bool e5m2) {
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 4 && pool.is_contiguous(),
-              "quantize_fp8_kv_: the pool must be contiguous uint8 [NB, BS, KVH, D]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "quantize_fp8_kv_: x must be fp32 [T, KVH, D] with contiguous heads");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
-              "quantize_fp8_kv_: one int64 slot per row of x");
-  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), num_slots = pool.size(0) * pool.size(1);
-  TORCH_CHECK(pool.size(2) == KVH && pool.size(3) == D, "quantize_fp8_kv_: the pool's rows must be x's heads");
-  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() && scales.numel() == num_slots * KVH,
+  check_rows("quantize_fp8_kv_", pool, slots, x);
+  const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2);
+  TORCH_CHECK(pool.size(3) == D, "quantize_fp8_kv_: the pool's rows must be x's heads");
+  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() &&
+                  scales.numel() == pool.size(0) * pool.size(1) * KVH,
               "quantize_fp8_kv_: scales must be contiguous bf16 [NB, BS, KVH]");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "quantize_fp8_kv_: slot ", sp[t], " is outside the pool");
   const float* xp = x.data_ptr<float>();
   uint8_t* pp = pool.data_ptr<uint8_t>();
   uint16_t* scp = reinterpret_cast<uint16_t*>(scales.data_ptr());
@@ -151,20 +160,13 @@ void quantize_fp8_kv_(torch::Tensor pool, torch::Tensor scales, torch::Tensor sl
 }
 
 void quantize_kv_(torch::Tensor pool, torch::Tensor slots, torch::Tensor x) {
-  TORCH_CHECK(pool.scalar_type() == torch::kUInt8 && pool.dim() == 4 && pool.is_contiguous(),
-              "quantize_kv_: the pool must be contiguous uint8 [NB, BS, KVH, bytes]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "quantize_kv_: x must be fp32 [T, KVH, D] with contiguous heads");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0),
-              "quantize_kv_: one int64 slot per row of x");
+  check_rows("quantize_kv_", pool, slots, x);
   const int64_t T = x.size(0), KVH = x.size(1), D = x.size(2), row = pool.size(3);
-  TORCH_CHECK(pool.size(2) == KVH && D % 32 == 0 && (row == D / 32 * 34 || row == D / 32 * 18),
+  TORCH_CHECK(D % 32 == 0 && (row == D / 32 * 34 || row == D / 32 * 18),
               "quantize_kv_: the pool's rows must be q8_0 or q4_0 blocks of x's heads");
   const bool q8 = row == D / 32 * 34;
-  const int64_t bytes = q8 ? 34 : 18, num_slots = pool.size(0) * pool.size(1);
+  const int64_t bytes = q8 ? 34 : 18;
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "quantize_kv_: slot ", sp[t], " is outside the pool");
   const float* xp = x.data_ptr<float>();
   uint8_t* pp = pool.data_ptr<uint8_t>();
   at::parallel_for(0, T * KVH, 64, [&](int64_t begin, int64_t end) {
