@@ -43,6 +43,8 @@
 // V sum broadcasts each key pair's p from a bf16 copy of the row (one load, no scalar packing): 16/4 heads D 256,
 // one row over 32k scattered keys, alternated runs on the AMX Xeon with AMX masked (the Zen 4 build's path),
 // 12.1-15.6 -> 10.9-12.1 ms a layer; 32/8 D 128 eight rows over 2k 4.4 -> 3.5 ms; D 64 and 32 unchanged.
+// Where a KV head serves a multiple of 4 query heads at D 128 or 256, the scores go four heads against half a tile
+// of keys: each K chunk loaded once for the four, not once per pair (bit for bit the same sums; docs/benchmarks.md).
 // Each tile prefetches the slot rows of the tile two ahead into L2 (sweep_tiles' ahead), a KV head's share before
 // that head's products, so the prefetches interleave with them: 16/4 heads D 256, one row over 32k keys in blocks
 // scattered over the pool, alternated runs on a Zen 4: 8.4 / 10.6 -> 7.8 / 8.9 ms a layer.
@@ -747,20 +749,51 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
   if (it.phase != 2)
     sweep_tiles<KT, GB>(it, KVH, G, BS, [&](int j, int64_t slot) { rows[j] = kp + slot * K.row_stride; },
                         [&](int64_t t0, int cnt, int64_t kh, int64_t h0) {
-    __m512bh qr[GB][NC];
-    for (int g = 0; g < GB; ++g)
-      for (int c = 0; c < NC; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
-    // a chunk of q against every key of the tile before the next chunk: KT independent sums in flight instead of
-    // one chain of NC dependent products a key (each key's products still summed in chunk order)
     auto dots = [&](auto whole) {  // whole: a tile of KT keys (no per-key bound)
-      for (int g = 0; g < GB; ++g) {
-        v16f p[KT];
-        for (int j = 0; j < KT; ++j) p[j] = v16f{0};
-        for (int c = 0; c < NC; ++c)
-          for (int j = 0; j < KT; ++j)
-            if (whole || j < cnt)
-              p[j] = (v16f)_mm512_dpbf16_ps((__m512)p[j], qr[g][c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * D + 32 * c));
-        store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p) * scale);
+      if constexpr (GB == 4 && KT == 8) {
+        // four heads against half a tile (4 keys) at a time, 16 accumulators: each K chunk is loaded once for the
+        // four heads (not once per pair of heads) and each q chunk once for the four keys; the halves' sums meet
+        // in reduce_keys<8>'s tree, so the scores are the other path's bit for bit
+        v16f first[4];  // per head: keys 0-3 summed to the tree's second level
+        for (int half = 0; half < 2; ++half) {
+          __m512 p[4][4];
+          for (int g = 0; g < 4; ++g)
+            for (int j = 0; j < 4; ++j) p[g][j] = _mm512_setzero_ps();
+          for (int c = 0; c < NC; ++c) {
+            __m512bh qv[4];
+            for (int g = 0; g < 4; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
+            for (int j = 0; j < 4; ++j)
+              if (whole || 4 * half + j < cnt) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[4 * half + j] + kh * D + 32 * c);
+                for (int g = 0; g < 4; ++g) p[g][j] = _mm512_dpbf16_ps(p[g][j], qv[g], kv);
+              }
+          }
+          for (int g = 0; g < 4; ++g) {
+            const v16f l2 = pair_sum(pair_sum((v16f)p[g][0], (v16f)p[g][1]), pair_sum((v16f)p[g][2], (v16f)p[g][3]));
+            if (half == 0) {
+              first[g] = l2;
+            } else {
+              const v16f l3 = pair_sum(first[g], l2);
+              store16(sc + (h0 + g) * ld + (t0 - it.lo), pair_sum(l3, l3) * scale);
+            }
+          }
+        }
+      } else {
+        // q of the GB heads in registers; a chunk of q against every key of the tile before the next chunk: KT
+        // independent sums in flight instead of one chain of NC dependent products a key (each key's products
+        // still summed in chunk order)
+        __m512bh qr[GB][NC];
+        for (int g = 0; g < GB; ++g)
+          for (int c = 0; c < NC; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
+        for (int g = 0; g < GB; ++g) {
+          v16f p[KT];
+          for (int j = 0; j < KT; ++j) p[j] = v16f{0};
+          for (int c = 0; c < NC; ++c)
+            for (int j = 0; j < KT; ++j)
+              if (whole || j < cnt)
+                p[j] = (v16f)_mm512_dpbf16_ps((__m512)p[j], qr[g][c], (__m512bh)_mm512_loadu_si512(rows[j] + kh * D + 32 * c));
+          store16(sc + (h0 + g) * ld + (t0 - it.lo), reduce_keys<KT>(p) * scale);
+        }
       }
     };
     if (cnt == KT) dots(std::true_type{});
@@ -818,9 +851,11 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
 template <int NC>
 ItemFn pick_bf16_group(int64_t G) {
   constexpr int ND = 2 * NC;
-  // D 256: q of two heads in 16 registers; V of four heads by quarters of the head (each V pair unpacked once for
-  // the four), else of two by halves (for D 128, four heads by halves measured no faster than two whole)
-  if (NC == 8 && G % 4 == 0) return attend_item_bf16<NC, 2, 4>;
+  // D 128 / 256 with four heads a group: the scores four heads by half tiles; the V sum of four heads by quarters
+  // of the head at D 256 (each V pair unpacked once for the four), of two at D 128 (four by halves measured no
+  // faster than two whole). Else the scores of two heads at D 256 (q in 16 registers), V of two by halves.
+  if (NC == 8 && G % 4 == 0) return attend_item_bf16<NC, 4, 4>;
+  if (NC == 4 && G % 4 == 0) return attend_item_bf16<NC, 4, 2>;
   if (NC == 8 && G % 2 == 0) return attend_item_bf16<NC, 2>;
   if (G % 4 == 0 && 4 * ND <= 16) return attend_item_bf16<NC, 4>;
   if (G % 3 == 0 && 3 * ND <= 16) return attend_item_bf16<NC, 3>;
