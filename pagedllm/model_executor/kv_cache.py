@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..platforms import pool_zeros
+
 
 class KVCache:
     """K and V pools `[num_blocks, block_size, num_kv_heads, head_dim]`."""
@@ -20,8 +22,8 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: decode attention reads whole blocks (masking the unused slots), and a
         # never-written slot holding NaN bits would poison the masked softmax
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = pool_zeros(shape, dtype, device)
+        self.v = pool_zeros(shape, dtype, device)
         self.compute_dtype = compute_dtype
         self.block_size = block_size
         self.head_dim = head_dim  # (a pool's last dimension may be bytes of blocks: kv_quant.IntKVCache)
