@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..platforms import pool_zeros
-
 
 class KVCache:
     """K and V pools `[num_blocks, block_size, num_kv_heads, head_dim]`."""
@@ -22,8 +20,8 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # zeros, not empty: decode attention reads whole blocks (masking the unused slots), and a
         # never-written slot holding NaN bits would poison the masked softmax
-        self.k = pool_zeros(shape, dtype, device)
-        self.v = pool_zeros(shape, dtype, device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.compute_dtype = compute_dtype
         self.block_size = block_size
         self.head_dim = head_dim  # (a pool's last dimension may be bytes of blocks: kv_quant.IntKVCache)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..platforms import pool_zeros
 from .kv_cache import KVCache
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -154,8 +153,8 @@ class IntKVCache(KVCache):
         if head_dim % 32:
             raise ValueError(f"{'/'.join(self.formats)} KV needs a head_dim that is a multiple of 32, got {head_dim}")
         kb, vb = (head_dim // 32 * INT_FORMATS[f] for f in self.formats)
-        self.k = pool_zeros((num_blocks, block_size, num_kv_heads, kb), torch.uint8, device)
-        self.v = pool_zeros((num_blocks, block_size, num_kv_heads, vb), torch.uint8, device)
+        self.k = torch.zeros((num_blocks, block_size, num_kv_heads, kb), dtype=torch.uint8, device=device)
+        self.v = torch.zeros((num_blocks, block_size, num_kv_heads, vb), dtype=torch.uint8, device=device)
         self.head_dim, self.compute_dtype, self.block_size = head_dim, compute_dtype, block_size
         self.rotation = hadamard(head_dim).to(device)
 

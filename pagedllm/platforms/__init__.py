@@ -43,14 +43,3 @@ def _gpu(device: str) -> bool:
 
 
 __all__ = ["ATTENTION_BACKENDS", "Platform", "current_platform", "host_available_memory", "resolve_device"]
-
-
-def pool_zeros(shape: tuple[int, ...], dtype, device="cpu"):
-    """A zeroed KV pool tensor on `device`: in RAM on huge pages (cpu.zeros_on_huge_pages), elsewhere torch.zeros."""
-    if str(device) == "cpu":
-        from .cpu import zeros_on_huge_pages
-
-        return zeros_on_huge_pages(tuple(shape), dtype)
-    import torch
-
-    return torch.zeros(shape, dtype=dtype, device=device)

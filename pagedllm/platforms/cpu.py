@@ -16,12 +16,9 @@ anything compiles into the folder again.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import logging
-import math
-import mmap
 import os
 import platform
 import sys
@@ -216,29 +213,6 @@ def build_ops(extra_flags: tuple[str, ...] = ()) -> Ops:
                mod.linear_ggml_isa(), mod.ggml_repacks, mod.repack_ggml,
                mod.mask_rows_, mod.shared_prefix_groups, mod.quantize_kv_, mod.quantize_fp8_kv_, mod.MoeExperts, mod.f32_strip(),
                mod.gated_delta_decode)
-
-
-HUGE_PAGE = 2 << 20
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """A zeroed tensor whose data starts on a 2 MiB boundary, advised for transparent huge pages before its pages are
-    first touched (Linux; the advice may be refused, and elsewhere this is torch.zeros). For the KV pool: decode
-    attention over a long context reads blocks scattered over the pool, and on 4 KiB pages each 16-token block of
-    a 256-dim layer spans several pages, a TLB walk each, past the TLB's reach of ~12 MiB. One layer of 16 / 4 heads
-    x 256 over 32k keys on a Zen 4 (two threads): 5.3-5.7 -> 4.5-5.0 ms (docs/benchmarks.md)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if nbytes < HUGE_PAGE or advice is None:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: the advice covers every fault
-    off = -raw.data_ptr() % HUGE_PAGE
-    madvise = ctypes.CDLL(None).madvise
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    madvise(raw.data_ptr() + off, nbytes, advice)  # advice: a refusal leaves ordinary pages
-    out = raw[off:off + nbytes].view(dtype).view(shape)
-    out.zero_()
-    return out
 
 
 @cache  # one build per process: the compiled library never changes once loaded

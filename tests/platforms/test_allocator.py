@@ -34,37 +34,3 @@ def test_freed_activations_are_reused_not_faulted_in_again():
     # with glibc's defaults: ~196k every round (blocks mapped anew, the heap top trimmed); the bound sits an order of
     # magnitude under that, not at zero, since a kept heap may still grow by a block (26 MB: 6,656 faults)
     assert int(out[1]) < 20_000
-
-
-def _huge_pages_at(addr: int) -> int:
-    """kB of transparent huge pages in the mapping that holds addr (/proc/self/smaps)"""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
-
-
-def test_kv_pools_are_zeroed_and_on_huge_pages():
-    import torch
-
-    from pagedllm.model_executor.kv_cache import KVCache
-    from pagedllm.platforms import pool_zeros
-    from pagedllm.platforms.cpu import HUGE_PAGE
-
-    cache = KVCache(64, 16, 4, 256, torch.bfloat16, torch.bfloat16)  # 8 MiB a pool
-    for pool in (cache.k, cache.v):
-        assert pool.shape == (64, 16, 4, 256) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
-        assert pool.data_ptr() % HUGE_PAGE == 0
-        assert not pool.view(torch.int16).any()  # zeros, bit for bit
-    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if sys.platform == "linux" else "[never]"
-    if "[never]" not in thp:
-        assert _huge_pages_at(cache.k.data_ptr()) >= HUGE_PAGE // 1024, thp
-    small = pool_zeros((4, 16, 2, 64), torch.float32)  # under a page: an ordinary allocation
-    assert small.shape == (4, 16, 2, 64) and not small.any()
-    assert pool_zeros((1 << 20,), torch.uint8, "meta").device.type == "meta"
