@@ -106,6 +106,10 @@ inline v16f pair_sum(v16f a, v16f b) {
          __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// pair_sum's tree two levels deep over p[0..3]: each lane the sum of 4 lanes of one p (lanes 0-3 from p[0], ...,
+// 12-15 from p[3]): the first two levels of reduce_keys over 4 keys
+inline v16f pair_tree2(const v16f (&p)[4]) { return pair_sum(pair_sum(p[0], p[1]), pair_sum(p[2], p[3])); }
+
 // Lane j < KT = the sum of p[j]'s lanes (KT = 16 or 8; with 8, lanes 8-15 repeat 0-7)
 template <int KT>
 inline v16f reduce_keys(const v16f (&p)[KT]) {
@@ -640,7 +644,7 @@ inline __m512 widen16(const QuantHead& h, const Pool& P, int c) {
 
 // Lane j < 4 = the sum of p[j]'s lanes
 inline v16f reduce4(const v16f (&p)[4]) {
-  const v16f l2 = pair_sum(pair_sum(p[0], p[1]), pair_sum(p[2], p[3]));
+  const v16f l2 = pair_tree2(p);
   const v16f l3 = pair_sum(l2, l2);
   return pair_sum(l3, l3);
 }
@@ -756,20 +760,20 @@ void attend_item_bf16(const Item& it, int64_t H, int64_t KVH, const Pool& K, con
         // in reduce_keys<8>'s tree, so the scores are the other path's bit for bit
         v16f first[4];  // per head: keys 0-3 summed to the tree's second level
         for (int half = 0; half < 2; ++half) {
-          __m512 p[4][4];
+          v16f p[4][4];
           for (int g = 0; g < 4; ++g)
-            for (int j = 0; j < 4; ++j) p[g][j] = _mm512_setzero_ps();
+            for (int j = 0; j < 4; ++j) p[g][j] = v16f{0};
           for (int c = 0; c < NC; ++c) {
             __m512bh qv[4];
             for (int g = 0; g < 4; ++g) qv[g] = (__m512bh)_mm512_loadu_si512(qb + (h0 + g) * D / 2 + 16 * c);
             for (int j = 0; j < 4; ++j)
               if (whole || 4 * half + j < cnt) {
                 const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[4 * half + j] + kh * D + 32 * c);
-                for (int g = 0; g < 4; ++g) p[g][j] = _mm512_dpbf16_ps(p[g][j], qv[g], kv);
+                for (int g = 0; g < 4; ++g) p[g][j] = (v16f)_mm512_dpbf16_ps((__m512)p[g][j], qv[g], kv);
               }
           }
           for (int g = 0; g < 4; ++g) {
-            const v16f l2 = pair_sum(pair_sum((v16f)p[g][0], (v16f)p[g][1]), pair_sum((v16f)p[g][2], (v16f)p[g][3]));
+            const v16f l2 = pair_tree2(p[g]);
             if (half == 0) {
               first[g] = l2;
             } else {
