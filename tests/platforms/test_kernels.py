@@ -506,12 +506,14 @@ def test_decode_op_over_long_bf16_contexts(ops, heads: int, kv_heads: int, d: in
 def test_attention_without_avx512(ops_avx2) -> None:
     """attention.cpp and attention_chunks.cpp as a CPU without AVX-512 compiles them (the vector extensions
     split into AVX2 halves; bf16::tile's generic loops). The fp32 pool's AVX2 item sums V for up to 3 query heads
-    of a KV head at once: 9 / 3 heads (3), 8 / 2 (4: 3 + 1) and 10 / 2 (5: 3 + 2)."""
+    of a KV head at once: 9 / 3 heads (3), 8 / 2 (4: 3 + 1) and 10 / 2 (5: 3 + 2); a bf16 pool's widened item at
+    D 96 sums V in passes of 6 chunks."""
     for pool in (torch.float32, torch.bfloat16):
         _attention_qkv_case(ops_avx2.attention_qkv, 9, 3, 64, pool)
         _attention_qkv_case(ops_avx2.attention_qkv, 8, 2, 24, pool)
         _attention_qkv_case(ops_avx2.attention_qkv, 8, 2, 32, pool)
         _attention_qkv_case(ops_avx2.attention_qkv, 10, 2, 128, pool)
+        _attention_qkv_case(ops_avx2.attention_qkv, 10, 2, 96, pool)  # D 96: the widened item's V sum in passes of 6
 
 
 @pytest.mark.parametrize("heads, kv_heads, d, bs", [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 5), (8, 2, 24, 16),

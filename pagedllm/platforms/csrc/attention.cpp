@@ -573,7 +573,10 @@ void attend_item_widened_avx2(const Item& it, int64_t H, int64_t KVH, const Pool
   }
   softmax_rows(it, sc, H, n, ld, rq);
   if (it.phase == 1) return;
-  constexpr int CH = ND < 8 ? ND : 8;  // accumulators a pass
+  // accumulators a pass, a divisor of ND: D 96's 12 chunks go as two passes of 6 (passes of 8 ran past the head's
+  // D, into the next head's sums and past the last one's)
+  constexpr int CH = ND % 8 == 0 ? 8 : ND % 6 == 0 ? 6 : ND % 4 == 0 ? 4 : ND;
+  static_assert(ND % CH == 0 && CH <= 8, "a pass's accumulators must tile the head and fit the registers");
   std::fill(it.acc, it.acc + H * D, 0.f);
   for (int64_t t0 = 0; t0 < n; t0 += TK) {
     const int64_t cnt = std::min(TK, n - t0);
