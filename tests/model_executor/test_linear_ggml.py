@@ -36,12 +36,14 @@ def random_blocks(t: T, rows: int, k: int, seed: int = 0) -> np.ndarray:
 
 def quantized_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
     """x rounded as the integer dot sees it: per 32 values, int8 (or int16: levels 32767) with scale
-    max|x| / levels."""
+    max|x| / levels, in the kernel's fp32 arithmetic (q = x * (levels / max|x|) rounded to nearest even), so
+    that a value near a rounding boundary rounds as it does there."""
     m, k = x.shape
-    blocks = x.double().view(m, k // 32, 32)
-    d = blocks.abs().amax(-1, keepdim=True) / levels
-    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
-    return (q * d).view(m, k)
+    blocks = x.float().view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, levels / torch.where(amax > 0, amax, 1), 0)
+    q = torch.round(blocks * inv)
+    return (q.double() * (amax / levels).double()).view(m, k)
 
 
 @pytest.mark.parametrize("t", FORMATS, ids=lambda t: t.name)
@@ -77,14 +79,20 @@ def test_integer_dot_equals_the_product_of_quantized_activations(ops, t: T, m: i
 @pytest.mark.parametrize("m", [40, 300])
 def test_prefill_path_is_the_bf16_product_of_the_dequantized_weights(ops, t: T, m: int) -> None:
     """m = 40: one pass over x per panel; m = 300: panels made in groups, x swept in 128-row blocks.
-    100 rows: two full 48-row panels and a partial one."""
+    100 rows: two full 48-row panels and a partial one. Prompt rows (decode_rows = 0); on AVX2 the panels are fp32
+    (no bf16 arithmetic there): the product of x and the weights as ggml dequantizes them."""
     o, k = 100, 512
     raw = random_blocks(t, o, k)
     w = torch.from_numpy(dequantize(raw, t).reshape(o, k))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
-    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [o], None, o)
-    ref = x.bfloat16().double() @ w.bfloat16().double().T
-    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    y = ops.linear_ggml(x, [torch.from_numpy(raw)], [int(t)], [o], None, o, 0)
+    if ops.linear_ggml_isa == "avx2":
+        ref = x.double() @ w.double().T
+        tol = 1e-6  # fp32 sums of 512 products
+    else:
+        ref = x.bfloat16().double() @ w.bfloat16().double().T
+        tol = 1e-4
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 def test_bad_inputs_are_clear_errors(ops) -> None:
@@ -146,10 +154,10 @@ REPACKABLE = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K, T.MXFP4]
 @pytest.mark.parametrize("t", REPACKABLE, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 6, 40, 150, 300])
 def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None:
-    """Where the CPU runs Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K / MXFP4 repacked (AVX-512 VNNI): 37 rows = two groups of 16 and a
-    padded one. The integer dot takes int16 activations (per 32, scale max|x| / 32767), so it is the
-    exact product up to that rounding; the bf16 panels are the same values as from the file's layout;
-    dequantization and row lookups are bit-exact."""
+    """Where the CPU runs Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K / MXFP4 repacked (AVX-512 VNNI; Q4_0 / Q4_1 / Q8_0 on
+    AVX2): 37 rows = two groups of 16 and a padded one. The integer dot takes int16 activations (per 32, scale
+    max|x| / 32767; int8 on AVX2), so it is the exact product up to that rounding; the panels are the same values
+    as from the file's layout; dequantization and row lookups are bit-exact."""
     if not ops.ggml_repacks(int(t)):
         pytest.skip("this CPU runs the file's layout only")
     o, k = 37, 512
@@ -165,7 +173,13 @@ def test_repacked_16_row_groups_match_the_file_layout(ops, t: T, m: int) -> None
     bias = torch.randn(o)
     plain = ops.linear_ggml(x, [raw], [int(t)], [o], bias, o)
     y = ops.linear_ggml(x, [packed], [int(t) + 1000], [o], bias, o)
-    if m < 16:  # the integer dot runs below 16 rows (linear_ggml.cpp kDotRowsMax), else bf16 panels
+    if ops.linear_ggml_isa == "avx2":  # steps of decodes alone of any size: int8 activations (ggml's AVX2 dot)
+        exact = quantized_activations(x) @ ref_w.double().T + bias.double()
+        torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+        # prompt rows: fp32 panels from either layout, the same bits
+        prompt = [ops.linear_ggml(x, [w], [tt], [o], bias, o, 0) for w, tt in ((raw, int(t)), (packed, int(t) + 1000))]
+        assert torch.equal(prompt[0], prompt[1])
+    elif m < 16:  # the integer dot runs below 16 rows (linear_ggml.cpp kDotRowsMax), else bf16 panels
         exact = quantized_activations(x, 32767) @ ref_w.double().T + bias.double()  # int16 activations
         torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
         fp32 = x.double() @ ref_w.double().T + bias.double()
