@@ -420,13 +420,16 @@ def test_attention_qkv_ropes_writes_and_attends(ops, heads: int, kv_heads: int, 
     _attention_qkv_case(ops.attention_qkv, heads, kv_heads, d, pool)
 
 
+@pytest.mark.parametrize("pool", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads, kv_heads, d, bs, window", [
     (9, 3, 64, 16, 0), (9, 3, 64, 4, 0), (9, 3, 64, 16, 13), (32, 8, 128, 16, 0), (4, 4, 64, 5, 0), (14, 2, 64, 16, 0),
-    (16, 4, 80, 8, 0), (8, 2, 24, 16, 0)])
-def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d: int, bs: int, window: int) -> None:
-    """The chunk kernel (bf16 dot products over 48 lanes of query rows x heads) on fresh prompts and
-    mid-sequence chunks over scattered blocks: against the rounded-q-and-p reference, and against the
-    decode op on the very same rows (the paths a prompt can take must agree)."""
+    (16, 4, 80, 8, 0), (8, 2, 24, 16, 0), (48, 1, 64, 16, 0)])
+def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d: int, bs: int, window: int,
+                                              pool: torch.dtype) -> None:
+    """The chunk kernel (48 lanes of query rows x heads: bf16 dot products over a bf16 pool, fp32 tiles over an
+    fp32 one) on fresh prompts and mid-sequence chunks over scattered blocks, a window's edge with attention sinks:
+    against the reference (rounded q and p over a bf16 pool), and against the decode op on the very same rows (the
+    paths a prompt can take must agree)."""
     g = torch.Generator().manual_seed(heads * 1000 + d + bs + window)
     chunks = [(5, 5), (37, 61), (1, 1), (50, 50), (17, 600)]  # (q_len, ctx_len)
     tables, nb = [], 0
@@ -434,8 +437,9 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     for _, c in chunks:
         tables.append(perm[nb:nb + -(-c // bs)])
         nb += len(tables[-1])
-    k_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).bfloat16()
-    v_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).bfloat16()
+    k_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).to(pool)
+    v_pool = torch.randn(len(perm), bs, kv_heads, d, generator=g).to(pool)
+    sinks = torch.randn(heads, generator=g) if window else None
     width = max(len(t) for t in tables)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q_len, ctx = torch.tensor([n for n, _ in chunks]), torch.tensor([c for _, c in chunks])
@@ -443,31 +447,32 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     q = torch.randn(int(q_len.sum()), heads, d, generator=g)
     out, by_rows = torch.zeros_like(q), torch.zeros_like(q)
     scratch = torch.empty(0, dtype=torch.uint8)
-    ops.attend_chunks(out, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch)
+    ops.attend_chunks(out, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch, sinks)
     assert scratch.numel() > 0  # grown for the next layer to reuse, whose results do not depend on what it held
     again = torch.zeros_like(q)
-    ops.attend_chunks(again, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch)
+    ops.attend_chunks(again, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch, sinks)
     assert torch.equal(again, out)
     row_seq = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
-    ops.paged_attention(by_rows, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None)
+    ops.paged_attention(by_rows, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None,
+                        sinks)
     refs = []
     for s, (n, c) in enumerate(chunks):
-        k, v = (p[bt[s]].reshape(-1, kv_heads, d)[:c].transpose(0, 1).unsqueeze(0) for p in (k_pool, v_pool))
+        k, v = (p[bt[s]].reshape(-1, kv_heads, d)[:c].transpose(0, 1).unsqueeze(0).float() for p in (k_pool, v_pool))
         pos_q, pos_k = torch.arange(c - n, c).unsqueeze(1), torch.arange(c).unsqueeze(0)
         mask = (pos_k <= pos_q) & ((pos_k > pos_q - window) if window else True)
         refs.append(attention_ref(q[q_start[s]:q_start[s] + n].transpose(0, 1).unsqueeze(0), k, v, mask.view(1, 1, n, c),
-                                  d ** -0.5, torch.bfloat16)[0].transpose(0, 1))
+                                  d ** -0.5, pool, sinks)[0].transpose(0, 1).float())
     ref = torch.cat(refs)
-    assert_attention_close(out, ref, torch.bfloat16)
-    assert_attention_close(by_rows, ref, torch.bfloat16)
-    assert_attention_close(out, by_rows, torch.bfloat16)
+    assert_attention_close(out, ref, pool)
+    assert_attention_close(by_rows, ref, pool)
+    assert_attention_close(out, by_rows, pool)
     # one row alone: the decode op splits its keys across the threads (flash-decoding), in two phases so that
     # its p are still rounded against the row's max
     last = slice(int(q_start[-1]) + int(q_len[-1]) - 1, int(q_start[-1]) + int(q_len[-1]))
     alone = torch.zeros_like(q[last])
     ops.paged_attention(alone, q[last], k_pool, v_pool, bt[-1:], torch.tensor([0]), torch.tensor([0]),
-                        torch.tensor([1]), ctx[-1:], d ** -0.5, window, None, None, None)
-    assert_attention_close(alone, ref[last], torch.bfloat16)
+                        torch.tensor([1]), ctx[-1:], d ** -0.5, window, None, None, None, sinks)
+    assert_attention_close(alone, ref[last], pool)
 
 
 @pytest.mark.parametrize("heads, kv_heads, d, bs, window", [

@@ -177,7 +177,8 @@ class CpuKernels(_QKNorm):
 
     def paged_ops(self, cache: KVCache, head_dim: int, heads_per_kv: int) -> tuple[Callable | None, bool]:
         """The op reads fp32, bf16, fp8 and q8_0 / q4_0 pools in place. A bf16 pool's prefills go to the chunk
-        kernel (bf16 dot products) where the tiles fit: head dims of whole 8s, at most 48 query heads a KV head.
+        kernel (bf16 dot products) where the tiles fit: head dims of whole 8s, at most 48 query heads a KV head; an
+        fp32 pool's to its fp32 tiles on CPUs without native bf16 dot products.
         An fp8 or integer pool's go there too where the CPU has native bf16 dot products; without them SDPA over
         the sequence's dequantized blocks was faster and keeps fp32 math (a 2,048-token prompt of the default model
         over a q8_0 pool on a Zen 3: see docs/design/kv-tiers.md)."""
@@ -188,7 +189,11 @@ class CpuKernels(_QKNorm):
         tiles = head_dim % 8 == 0 and heads_per_kv <= 48
         if isinstance(cache, (FP8KVCache, IntKVCache)):
             return self.ops.paged_attention, tiles and self.ops.native_bf16
-        chunk = tiles and not cache.lossy and cache.k.dtype == torch.bfloat16
+        # an fp32 pool's prompts on the kernel's fp32 tiles where there are no native bf16 dot products (an AVX2
+        # host, where dtype=auto gives fp32 pools): the 6 x 16 FMA tile beat SDPA per sequence there; elsewhere
+        # they stay on SDPA, unmeasured against it
+        fp32 = cache.k.dtype == torch.float32 and not self.ops.native_bf16
+        chunk = tiles and not cache.lossy and (cache.k.dtype == torch.bfloat16 or fp32)
         return self.ops.paged_attention, chunk
 
     def rms_norm(self, weight: torch.Tensor, eps: float, x: torch.Tensor,

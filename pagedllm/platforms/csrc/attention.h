@@ -20,8 +20,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_
 // One layer's attention from its fused qkv rows [T, (H + 2 KVH) D]: rope on q and k (in place), the T new
 // K/V rows written to slots of an fp32 or bf16 pool, then the first num_paged rows attended over the pool
 // (block tables etc. as paged_attention's, given when num_paged > 0). Returns out [T, H, D]; rows from
-// num_paged on are left for the caller (fresh prompts) unless chunk_* describe them (a bf16 pool only:
-// attend_chunks).
+// num_paged on are left for the caller (fresh prompts) unless chunk_* describe them (attend_chunks).
 torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor slots, int64_t num_heads, int64_t num_paged,
                             c10::optional<torch::Tensor> block_tables, c10::optional<torch::Tensor> row_seq,
@@ -31,7 +30,8 @@ torch::Tensor attention_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
                             c10::optional<torch::Tensor> chunk_q_len, c10::optional<torch::Tensor> chunk_ctx_len,
                             c10::optional<torch::Tensor> chunk_scratch, c10::optional<torch::Tensor> sinks);
 
-// Prefill chunks over a bf16, fp8 or q8_0 / q4_0 pool on bf16 dot products (attention_chunks.cpp): chunk i's q_len[i]
+// Prefill chunks over a bf16, fp8 or q8_0 / q4_0 pool on bf16 dot products, or over an fp32 pool on fp32 tiles
+// (attention_chunks.cpp): chunk i's q_len[i]
 // rows from q_start[i] are the last of its ctx_len[i] positions, its keys in the blocks of block_tables[i]; writes
 // those rows of out [T, H, D]. scratch: a uint8 tensor the op grows to what it needs and leaves so (pass the
 // same one to every layer of a step: its pages are touched once). k_scale, v_scale and lut as paged_attention's

@@ -1,6 +1,6 @@
 // Attention of prefill chunks (fresh prompts and long mid-sequence chunks) over a bf16, fp8 or q8_0 / q4_0 paged
-// pool, on bf16 dot products: the matrix-product half of attention, where the decode op (attention.cpp) goes a
-// row at a time.
+// pool, on bf16 dot products, or over an fp32 pool on fp32 tiles (namespace fp32, below): the matrix-product half
+// of attention, where the decode op (attention.cpp) goes a row at a time.
 //
 // Layout: q rows [T, H, D] fp32 with heads contiguous (rows q_stride floats apart: the qkv buffer), the pool
 // [NB, BS, KVH, D] bf16 for K and for V, or uint8 rows of fp8 values (a bf16 scale per slot and KV head) or of
@@ -28,6 +28,7 @@
 // the compiler vectorizes elsewhere); the softmax on vec16.h's 16-float vectors.
 #include "attention.h"
 #include "bf16_tile.h"
+#include "f32_tile.h"
 #include "ggml_blocks.h"
 #include "kv_formats.h"
 #include "vec16.h"
@@ -47,6 +48,7 @@ using vec::v16i;
 using vec::v16u;
 
 constexpr int64_t NL = bf16::NR;  // lanes: (query row, head) pairs of an item
+static_assert(f32::NR == NL, "the fp32 path's panels hold the same 48 lanes");
 constexpr int NV = NL / 16;       // their vectors
 constexpr int KT = 8;             // keys (S^T) or head dims (O^T) per tile call
 constexpr int64_t kPad = 32;      // zero K rows after ctx, and zero V pairs after a row: what a tile over-reads
@@ -54,8 +56,10 @@ constexpr int64_t kPad = 32;      // zero K rows after ctx, and zero V pairs aft
 struct Chunk {
   const int64_t* table;
   int64_t q_start, q_len, ctx;
-  const uint16_t* k;  // [ctx + kPad, D] gathered, zero rows after ctx
-  const uint32_t* v;  // [D, ldv] key pairs: (ctx + 1) / 2 of them, then kPad / 2 zero pairs
+  // gathered: bf16 pools K [ctx + kPad, D] (zero rows after ctx), V [D, ldv] key pairs ((ctx + 1) / 2 of them, then
+  // kPad / 2 zero pairs); fp32 pools K [ctx, D], V^T [D, ldv] (ldv = ctx)
+  const void* k;
+  const void* v;
   int64_t ldv;
 };
 
@@ -105,6 +109,28 @@ struct Lanes {
   const float* floor;
 };
 
+// S [nk, 48] (row j: key klo + j) times scale, keys outside a lane's [lo, hi) set to kMasked; mx: each lane's max,
+// from its floor, 0 for a lane without keys (its p are then exp(kMasked) = 0). Lanes past ln.lanes are padding:
+// their scores (q = 0) are left as they are, and nothing reads their results. The masked keys are each lane's
+// few at the ends of the item's range (causal rows, a window's edge), set one by one: a 16-lane compare per key
+// is scalar code on AVX2.
+inline void scale_mask_max(float* S, int64_t nk, int64_t klo, const Lanes& ln, float scale, v16f* mx) {
+  for (int64_t j = 0; j < nk; ++j)
+    for (int v = 0; v < NV; ++v) vec::store16(S + j * NL + 16 * v, vec::load16(S + j * NL + 16 * v) * scale);
+  alignas(64) float fl[NL];
+  for (int64_t l = 0; l < NL; ++l) {
+    fl[l] = l < ln.lanes && ln.floor ? ln.floor[l] : vec::kMasked;
+    if (l >= ln.lanes) continue;
+    const int64_t lo = std::min<int64_t>(ln.lo[l] - klo, nk), hi = std::max<int64_t>(ln.hi[l] - klo, lo);
+    for (int64_t j = 0; j < lo; ++j) S[j * NL + l] = vec::kMasked;
+    for (int64_t j = hi; j < nk; ++j) S[j * NL + l] = vec::kMasked;
+  }
+  for (int v = 0; v < NV; ++v) mx[v] = vec::load16(fl + 16 * v);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int v = 0; v < NV; ++v) mx[v] = vec::max16(mx[v], vec::load16(S + j * NL + 16 * v));
+  for (int v = 0; v < NV; ++v) mx[v] = mx[v] > vec::kMasked ? mx[v] : v16f{};
+}
+
 // The lanes' softmax over their keys and its V sum, unnormalized: ot [D, 48] (= w.ot), the lanes' max mx and
 // sum of p (48 each); q rows from q (q_stride floats apart, heads contiguous)
 template <class Row>
@@ -127,38 +153,12 @@ void attend_lanes(const Chunk& c, const Lanes& ln, Row&& row, int64_t G, int64_t
   const uint32_t* kp = reinterpret_cast<const uint32_t*>(c.k);
   const bool amx = amx::usable() && D2 % 16 == 0;
   product(kp + klo * D2, nk, D2, D2, qp, S, amx);
-  // scale, mask, the lanes' max
-  alignas(64) int32_t hi[NL], lo[NL];
-  alignas(64) float fl[NL];
-  for (int64_t l = 0; l < NL; ++l) {
-    hi[l] = l < lanes ? ln.hi[l] : 0;  // padding lanes: no keys
-    lo[l] = l < lanes ? ln.lo[l] : 0;
-    fl[l] = l < lanes && ln.floor ? ln.floor[l] : vec::kMasked;
-  }
-  v16i hv[NV], lv[NV];
   v16f mx[NV];
-  for (int v = 0; v < NV; ++v) {
-    std::memcpy(&hv[v], hi + 16 * v, sizeof(v16i));
-    std::memcpy(&lv[v], lo + 16 * v, sizeof(v16i));
-    mx[v] = vec::load16(fl + 16 * v);
-  }
-  for (int64_t j = 0; j < nk; ++j) {
-    const int32_t key = static_cast<int32_t>(klo + j);
-    for (int v = 0; v < NV; ++v) {
-      v16f s = vec::load16(S + j * NL + 16 * v) * scale;
-      s = (key < hv[v]) & (key >= lv[v]) ? s : v16f{} + vec::kMasked;
-      vec::store16(S + j * NL + 16 * v, s);
-      mx[v] = s > mx[v] ? s : mx[v];
-    }
-  }
+  scale_mask_max(S, nk, klo, ln, scale, mx);
   if (nk % 2)  // the last pair's second key
     for (int v = 0; v < NV; ++v) vec::store16(S + nk * NL + 16 * v, v16f{} + vec::kMasked);
   // p = exp(s - max), summed in key order; the p panel over S^T
-  v16f sum[NV];
-  for (int v = 0; v < NV; ++v) {
-    mx[v] = mx[v] > vec::kMasked ? mx[v] : v16f{};  // padding lanes: p = 0
-    sum[v] = v16f{};
-  }
+  v16f sum[NV] = {};
   uint32_t* P = reinterpret_cast<uint32_t*>(S);
   for (int64_t i = 0; i < np; ++i)
     for (int v = 0; v < NV; ++v) {
@@ -173,34 +173,52 @@ void attend_lanes(const Chunk& c, const Lanes& ln, Row&& row, int64_t G, int64_t
   const int64_t npt = amx ? (np + 15) / 16 * 16 : np;
   std::fill(P + np * NL, P + npt * NL, 0u);
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(P);
-  product(c.v + klo / 2, D, c.ldv, npt, pp, w.ot, amx);
+  product(static_cast<const uint32_t*>(c.v) + klo / 2, D, c.ldv, npt, pp, w.ot, amx);
   for (int v = 0; v < NV; ++v) {
     vec::store16(mx_out + 16 * v, mx[v]);
     vec::store16(sum_out + 16 * v, sum[v]);
   }
 }
 
+// One item's lanes: rows [r0, r0 + 48 / G) of chunk c (fewer at its end) x the G heads of KV head kh, each row over
+// its causal keys (and window)
+struct ItemLanes {
+  int64_t lanes, klo, khi;
+  alignas(64) int32_t lo[NL], hi[NL];
+
+  ItemLanes(const Chunk& c, int64_t r0, int64_t G, int64_t window) {
+    const int64_t rows = std::min(NL / G, c.q_len - r0);
+    lanes = rows * G;
+    klo = c.ctx;
+    khi = 0;
+    for (int64_t l = 0; l < lanes; ++l) {
+      hi[l] = static_cast<int32_t>(c.ctx - c.q_len + r0 + l / G + 1);
+      lo[l] = window > 0 ? std::max<int32_t>(0, hi[l] - static_cast<int32_t>(window)) : 0;
+      klo = std::min<int64_t>(klo, lo[l]);
+      khi = std::max<int64_t>(khi, hi[l]);
+    }
+  }
+  Lanes of(int64_t kh) const { return Lanes{lanes, kh, klo, khi, lo, hi, nullptr}; }
+};
+
+// out rows of the item's lanes = ot [D, 48] / (sum + the head's sink)
+void write_item(const Chunk& c, const ItemLanes& il, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D,
+                const float* sinks, const float* ot, const float* mx, const float* sum, float* out) {
+  for (int64_t l = 0; l < il.lanes; ++l) {
+    const float total = sum[l] + (sinks ? std::exp(sinks[kh * G + l % G] - mx[l]) : 0.f);
+    const float inv = 1.f / (total > 0.f ? total : 1.f);
+    float* o = out + ((c.q_start + r0 + l / G) * H + kh * G + l % G) * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = ot[d * NL + l] * inv;
+  }
+}
+
 // One item: rows [r0, r0 + rows) of chunk c, the G heads of KV head kh
 void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
             float scale, int64_t window, const float* sinks, float* out, const Work& w) {
-  const int64_t rows_per = NL / G, rows = std::min(rows_per, c.q_len - r0), lanes = rows * G;
-  alignas(64) int32_t hi[NL], lo[NL];
-  int64_t klo = c.ctx, khi = 0;
-  for (int64_t l = 0; l < lanes; ++l) {
-    hi[l] = static_cast<int32_t>(c.ctx - c.q_len + r0 + l / G + 1);
-    lo[l] = window > 0 ? std::max<int32_t>(0, hi[l] - static_cast<int32_t>(window)) : 0;
-    klo = std::min<int64_t>(klo, lo[l]);
-    khi = std::max<int64_t>(khi, hi[l]);
-  }
+  const ItemLanes il(c, r0, G, window);
   alignas(64) float mx[NL], sum[NL];
-  attend_lanes(c, Lanes{lanes, kh, klo, khi, lo, hi, nullptr}, [&](int64_t i) { return c.q_start + r0 + i; }, G, D, q,
-               q_stride, scale, w, mx, sum);
-  for (int64_t l = 0; l < lanes; ++l) {
-    const float total = sum[l] + (sinks ? std::exp(sinks[kh * G + l % G] - mx[l]) : 0.f);  // + the head's sink
-    const float inv = 1.f / (total > 0.f ? total : 1.f);
-    float* o = out + ((c.q_start + r0 + l / G) * H + kh * G + l % G) * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = w.ot[d * NL + l] * inv;
-  }
+  attend_lanes(c, il.of(kh), [&](int64_t i) { return c.q_start + r0 + i; }, G, D, q, q_stride, scale, w, mx, sum);
+  write_item(c, il, kh, r0, G, H, D, sinks, w.ot, mx, sum, out);
 }
 
 // A pool's K or V heads as the products read them: bf16 rows in place; q8_0 / q4_0 blocks widened
@@ -278,6 +296,127 @@ void gather(const Heads& K, const Heads& V, const int64_t* table, int64_t BS, in
   }
 }
 
+// The work of a call, whatever the pool: each (chunk, KV head)'s keys gathered into kv_bytes(ctx, D) bytes of the
+// scratch (gather(s, kh, buf) in parallel), then the items, largest first, from one counter, each worker with
+// work_floats(keys, D) floats of its own (attend(item, chunk, work)). The scratch is the caller's, grown here and
+// kept for the step's other layers: no page faults per call.
+template <class Gather, class Attend>
+void run_items(int64_t n, int64_t KVH, int64_t G, int64_t D, const int64_t* bt, int64_t MAXB, int64_t BS,
+               const int64_t* qs, const int64_t* ql, const int64_t* cl, int64_t window, torch::Tensor& scratch,
+               int64_t (*kv_bytes)(int64_t, int64_t), int64_t (*work_floats)(int64_t, int64_t), Gather&& gather,
+               Attend&& attend) {
+  std::vector<int64_t> off(n * KVH + 1, 0);
+  for (int64_t i = 0; i < n * KVH; ++i) {
+    const int64_t ctx = cl[i / KVH];
+    TORCH_CHECK(ql[i / KVH] >= 1 && ql[i / KVH] <= ctx && ctx <= MAXB * BS, "attend_chunks: bad chunk lengths");
+    off[i + 1] = off[i] + (kv_bytes(ctx, D) + 63) / 64 * 64;
+  }
+  const int64_t rows_per = NL / G;
+  std::vector<Item> items;
+  int64_t max_keys = 0;
+  for (int64_t s = 0; s < n; ++s)
+    for (int64_t r0 = 0; r0 < ql[s]; r0 += rows_per) {
+      const int64_t last = cl[s] - ql[s] + std::min(r0 + rows_per, ql[s]);  // the item's furthest key
+      const int64_t span = window > 0 ? std::min(last, window + rows_per) : last;
+      max_keys = std::max(max_keys, span + 1);  // + 1: the first key pair may start one early
+      for (int64_t kh = 0; kh < KVH; ++kh) items.push_back(Item{s, kh, r0, span});
+    }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  const int64_t per_worker = work_floats(max_keys, D);
+  const int64_t need = off.back() + workers * per_worker * 4;
+  TORCH_CHECK(scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous(), "attend_chunks: scratch must be uint8");
+  if (scratch.numel() < need) scratch.resize_({need});
+  uint8_t* base = scratch.data_ptr<uint8_t>();
+  float* work = reinterpret_cast<float*>(base + off.back());
+  std::vector<Chunk> chunks(n * KVH);
+  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / KVH;
+      chunks[i] = gather(bt + s * MAXB, i % KVH, cl[s], base + off[i]);
+      chunks[i].table = bt + s * MAXB;
+      chunks[i].q_start = qs[s];
+      chunks[i].q_len = ql[s];
+      chunks[i].ctx = cl[s];
+    }
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t wid, int64_t) {
+    float* w = work + wid * per_worker;
+    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++)
+      attend(items[i], chunks[items[i].chunk * KVH + items[i].kh], w, max_keys);
+  });
+}
+
+// bf16 (and widened) pools: K rows then V key pairs
+int64_t kv_bytes_bf16(int64_t ctx, int64_t D) { return (ctx + kPad) * D * 2 + D * v_ld(ctx) * 4; }
+
+// ---- fp32 pools: the same items on fp32 tiles (f32_tile.h), no rounding anywhere ----
+//   S^T [keys, 48] = K . Q^T: f32::rows with the keys as rows against the q panel [D, 48];
+//   the exact max of each lane, p = exp(s - max) in fp32 into a p panel [keys, 48] (f32 panel layout), the
+//   lanes' sums of p;
+//   O^T [D, 48] = V^T . P: f32::rows with V^T's head dims as rows against the p panel; out = O / sum.
+// This is the fp32 decode op's math (exact max, exp16, fp32 sums); the sums run in another order. Where it
+// runs: the backend sends an fp32 pool's prompts here on CPUs without native bf16 dot products (an AVX2-only
+// host's fp32 pool: the 6 x 16 FMA tile on both products), against SDPA per sequence.
+namespace fp32 {
+
+int64_t kv_bytes(int64_t ctx, int64_t D) { return 2 * ctx * D * 4; }
+
+// q panel [D, 48], S^T [keys, 48], p panel [keys, 48], O^T [D, 48]
+int64_t work_floats(int64_t keys, int64_t D) { return 2 * D * NL + 2 * keys * NL; }
+
+Chunk gather(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* table, int64_t kh, int64_t ctx,
+             uint8_t* buf) {
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3);
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  float* kd = reinterpret_cast<float*>(buf);  // [ctx, D]
+  float* vt = kd + ctx * D;                   // [D, ctx]
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t row = ((table[t / BS] * BS + t % BS) * KVH + kh) * D;
+    std::memcpy(kd + t * D, kp + row, D * sizeof(float));
+    for (int64_t d = 0; d < D; ++d) vt[d * ctx + t] = vp[row + d];
+  }
+  return Chunk{nullptr, 0, 0, ctx, kd, vt, ctx};
+}
+
+void attend(const Chunk& c, int64_t kh, int64_t r0, int64_t G, int64_t H, int64_t D, const float* q, int64_t q_stride,
+            float scale, int64_t window, const float* sinks, float* out, float* work) {
+  const ItemLanes il(c, r0, G, window);
+  const Lanes ln = il.of(kh);
+  const int64_t nk = il.khi - il.klo;
+  float* qpanel = work;             // [D, 48]
+  float* S = qpanel + D * NL;       // [nk, 48], row j = key klo + j
+  float* P = S + nk * NL;           // p panel [nk, 48]
+  float* ot = P + nk * NL;          // [D, 48]
+  std::fill(qpanel, qpanel + D * NL, 0.f);
+  for (int64_t l = 0; l < il.lanes; ++l) {
+    const float* qr = q + (c.q_start + r0 + l / G) * q_stride + (kh * G + l % G) * D;
+    for (int64_t k = 0; k < D; ++k) qpanel[f32::at(D, k, l)] = qr[k];
+  }
+  const float* kd = static_cast<const float*>(c.k);
+  f32::rows(kd + il.klo * D, D, nk, D, qpanel, nullptr, S, NL, NL);  // padding lanes too: q = 0, finite scores
+  v16f mx[NV], sum[NV] = {};
+  scale_mask_max(S, nk, il.klo, ln, scale, mx);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int v = 0; v < NV; ++v) {  // a 16-lane vector lies in one strip (SW is 16 or 48)
+      const v16f p = vec::exp16(vec::load16(S + j * NL + 16 * v) - mx[v]);
+      sum[v] += p;
+      vec::store16(P + f32::at(nk, j, 16 * v), p);
+    }
+  const float* vt = static_cast<const float*>(c.v);
+  f32::rows(vt + il.klo, c.ldv, D, nk, P, nullptr, ot, NL, il.lanes);
+  alignas(64) float m[NL], z[NL];
+  for (int v = 0; v < NV; ++v) {
+    vec::store16(m + 16 * v, mx[v]);
+    vec::store16(z + 16 * v, sum[v]);
+  }
+  write_item(c, il, kh, r0, G, H, D, sinks, ot, m, z, out);
+}
+
+}  // namespace fp32
+
 }  // namespace
 
 void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -296,63 +435,38 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(!sinks || (sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == H),
               "attend_chunks: sinks must be fp32 [H]");
   const float* sk = sinks ? sinks->data_ptr<float>() : nullptr;
-  const int fp8 = fp8_format(lut);  // once a call: K and V share it
-  const Heads K = heads_of(k_cache, D, k_scale, fp8), V = heads_of(v_cache, D, v_scale, fp8);
   const int64_t G = H / KVH, n = q_start.numel(), q_stride = q.stride(0);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
   const int64_t* cl = ctx_len.data_ptr<int64_t>();
-  // per (chunk, KV head): gathered K and transposed V
-  std::vector<Chunk> chunks(n * KVH);
-  std::vector<int64_t> koff(n * KVH + 1, 0), voff(n * KVH + 1, 0);
-  for (int64_t i = 0; i < n * KVH; ++i) {
-    const int64_t ctx = cl[i / KVH];
-    TORCH_CHECK(ql[i / KVH] >= 1 && ql[i / KVH] <= ctx && ctx <= MAXB * BS, "attend_chunks: bad chunk lengths");
-    koff[i + 1] = koff[i] + (ctx + kPad) * D;
-    voff[i + 1] = voff[i] + D * v_ld(ctx);
-  }
-  const int64_t rows_per = NL / G;
-  std::vector<Item> items;
-  int64_t max_keys = 0;
-  for (int64_t s = 0; s < n; ++s)
-    for (int64_t r0 = 0; r0 < ql[s]; r0 += rows_per) {
-      const int64_t last = cl[s] - ql[s] + std::min(r0 + rows_per, ql[s]);  // the item's furthest key
-      const int64_t span = window > 0 ? std::min(last, window + rows_per) : last;
-      max_keys = std::max(max_keys, span + 1);  // + 1: the first key pair may start one early
-      for (int64_t kh = 0; kh < KVH; ++kh) items.push_back(Item{s, kh, r0, span});
-    }
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  // one buffer (the caller's, grown here and kept for the step's other layers: no page faults per call)
-  const int64_t per_worker = work_floats(max_keys, D);
-  const int64_t need = (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64 + workers * per_worker * 4;
-  TORCH_CHECK(scratch.scalar_type() == torch::kUInt8 && scratch.is_contiguous(), "attend_chunks: scratch must be uint8");
-  if (scratch.numel() < need) scratch.resize_({need});
-  uint8_t* base = scratch.data_ptr<uint8_t>();
-  uint16_t* kbuf = reinterpret_cast<uint16_t*>(base);
-  uint32_t* vbuf = reinterpret_cast<uint32_t*>(base + koff.back() * 2);
-  float* work = reinterpret_cast<float*>(base + (koff.back() * 2 + voff.back() * 4 + 63) / 64 * 64);
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / KVH, kh = i % KVH, ctx = cl[s], ldv = v_ld(ctx);
-      uint16_t* kd = kbuf + koff[i];
-      uint32_t* vd = vbuf + voff[i];
-      gather(K, V, bt + s * MAXB, BS, kh, D, ctx, kd, vd, ldv);
-      chunks[i] = Chunk{bt + s * MAXB, qs[s], ql[s], ctx, kd, vd, ldv};
-    }
-  });
-  std::atomic<int64_t> next{0};
   const float fscale = static_cast<float>(scale);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, workers, 1, [&](int64_t wid, int64_t) {
-    const Work w = work_at(work + wid * per_worker, max_keys, D);
-    for (int64_t i = next++; i < static_cast<int64_t>(items.size()); i = next++) {
-      const Item& it = items[i];
-      attend(chunks[it.chunk * KVH + it.kh], it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, sk, op, w);
-    }
-  });
+  if (k_cache.scalar_type() == torch::kFloat32) {
+    TORCH_CHECK(v_cache.scalar_type() == torch::kFloat32 && k_cache.size(3) == D && v_cache.size(3) == D,
+                "attend_chunks: an fp32 pool's K and V rows must both be fp32 of the query's head_dim");
+    run_items(n, KVH, G, D, bt, MAXB, BS, qs, ql, cl, window, scratch, fp32::kv_bytes, fp32::work_floats,
+              [&](const int64_t* table, int64_t kh, int64_t ctx, uint8_t* buf) {
+                return fp32::gather(k_cache, v_cache, table, kh, ctx, buf);
+              },
+              [&](const Item& it, const Chunk& c, float* w, int64_t) {
+                fp32::attend(c, it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, sk, op, w);
+              });
+    return;
+  }
+  const int fp8 = fp8_format(lut);  // once a call: K and V share it
+  const Heads K = heads_of(k_cache, D, k_scale, fp8), V = heads_of(v_cache, D, v_scale, fp8);
+  run_items(n, KVH, G, D, bt, MAXB, BS, qs, ql, cl, window, scratch, kv_bytes_bf16, work_floats,
+            [&](const int64_t* table, int64_t kh, int64_t ctx, uint8_t* buf) {
+              uint16_t* kd = reinterpret_cast<uint16_t*>(buf);
+              uint32_t* vd = reinterpret_cast<uint32_t*>(buf + (ctx + kPad) * D * 2);
+              gather(K, V, table, BS, kh, D, ctx, kd, vd, v_ld(ctx));
+              return Chunk{nullptr, 0, 0, ctx, kd, vd, v_ld(ctx)};
+            },
+            [&](const Item& it, const Chunk& c, float* w, int64_t max_keys) {
+              attend(c, it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, sk, op, work_at(w, max_keys, D));
+            });
 }
 
 // Keys shared by the rows of several sequences (attention.cpp groups decode rows by shared prefix blocks):

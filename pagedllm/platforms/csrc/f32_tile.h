@@ -26,8 +26,8 @@ namespace f32 {
 
 inline constexpr int64_t NR = 48;  // output columns per weight panel
 
-// rows(): y [0:M, 0:cols] (+ bias) = x [M, K] . panel; y is the panel's first column of row 0, rows O floats
-// apart; cols: the panel's real columns (the last panel is partial)
+// rows(): y [0:M, 0:cols] (+ bias) = x [M, K] . panel; x's rows ldx floats apart (K for a plain [M, K]); y is the
+// panel's first column of row 0, rows O floats apart; cols: the panel's real columns (the last panel is partial)
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 inline constexpr const char* kIsa = "avx2";
 inline constexpr int64_t SW = 16;  // a strip's columns: one 6 x 16 sub-tile's
@@ -44,8 +44,8 @@ inline constexpr int64_t kAhead = 2048 / (SW * 4);
 // multiple of 8). R * C accumulators plus min(R, C) operands held across the other loop plus one <= 16 registers:
 // the smaller side is loaded once per k and kept
 template <int R, int C>
-inline void sub_tile(const float* x, int64_t K, const float* panel, int64_t c0, const float* bias, float* y, int64_t O,
-                     int64_t cols) {
+inline void sub_tile(const float* x, int64_t ldx, int64_t K, const float* panel, int64_t c0, const float* bias, float* y,
+                     int64_t O, int64_t cols) {
   static_assert(R * C + (R < C ? R : C) + 1 <= 16, "the tile must fit the 16 ymm registers");
   // every loop over acc fully unrolled: one left rolled (a variable index) made GCC keep acc in memory and
   // store all of it every k (half the speed)
@@ -69,14 +69,14 @@ inline void sub_tile(const float* x, int64_t K, const float* panel, int64_t c0, 
       for (int j = 0; j < C; ++j) w[j] = _mm256_loadu_ps(pj[j] + k * SW);
 #pragma GCC unroll 16
       for (int i = 0; i < R; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + i * K + k);
+        const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
 #pragma GCC unroll 16
         for (int j = 0; j < C; ++j) acc[i][j] = _mm256_fmadd_ps(w[j], xv, acc[i][j]);
       }
     } else {
       __m256 xv[R];
 #pragma GCC unroll 16
-      for (int i = 0; i < R; ++i) xv[i] = _mm256_broadcast_ss(x + i * K + k);
+      for (int i = 0; i < R; ++i) xv[i] = _mm256_broadcast_ss(x + i * ldx + k);
 #pragma GCC unroll 16
       for (int j = 0; j < C; ++j) {
         const __m256 w = _mm256_loadu_ps(pj[j] + k * SW);
@@ -103,25 +103,25 @@ inline void sub_tile(const float* x, int64_t K, const float* panel, int64_t c0, 
 
 // The panel's 48 columns in sub-tiles of C vectors
 template <int R, int C>
-inline void across(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
+inline void across(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
                    int64_t cols) {
-  for (int64_t c0 = 0; c0 < cols; c0 += 8 * C) sub_tile<R, C>(x, K, panel, c0, bias, y, O, cols);
+  for (int64_t c0 = 0; c0 < cols; c0 += 8 * C) sub_tile<R, C>(x, ldx, K, panel, c0, bias, y, O, cols);
 }
 
 // Rows [0, M): 6 rows x 16 columns (BLIS's Haswell shape: 12 FMAs per 2 panel loads and 6 broadcasts), the
 // rest as 1-2 rows x 48, 3-4 rows x 24 or 5 rows x 16
-inline void rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
-                 int64_t cols) {
+inline void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panel, const float* bias, float* y,
+                 int64_t O, int64_t cols) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) across<6, 2>(x + m * K, K, panel, bias, y + m * O, O, cols);
-  x += m * K;
+  for (; m + 6 <= M; m += 6) across<6, 2>(x + m * ldx, ldx, K, panel, bias, y + m * O, O, cols);
+  x += m * ldx;
   y += m * O;
   switch (M - m) {
-    case 5: across<5, 2>(x, K, panel, bias, y, O, cols); break;
-    case 4: across<4, 3>(x, K, panel, bias, y, O, cols); break;
-    case 3: across<3, 3>(x, K, panel, bias, y, O, cols); break;
-    case 2: across<2, 6>(x, K, panel, bias, y, O, cols); break;
-    case 1: across<1, 6>(x, K, panel, bias, y, O, cols); break;
+    case 5: across<5, 2>(x, ldx, K, panel, bias, y, O, cols); break;
+    case 4: across<4, 3>(x, ldx, K, panel, bias, y, O, cols); break;
+    case 3: across<3, 3>(x, ldx, K, panel, bias, y, O, cols); break;
+    case 2: across<2, 6>(x, ldx, K, panel, bias, y, O, cols); break;
+    case 1: across<1, 6>(x, ldx, K, panel, bias, y, O, cols); break;
     default: break;
   }
 }
@@ -143,7 +143,8 @@ inline v16f load16(const float* p) {
 inline void store16(float* p, v16f v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
 template <int R>
-inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t O, int64_t cols) {
+inline void tile(const float* x, int64_t ldx, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
+                 int64_t cols) {
   v16f acc[R][3];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < 3; ++j) acc[i][j] = bias ? load16(bias + j * 16) : v16f{0};
@@ -151,7 +152,7 @@ inline void tile(const float* x, int64_t K, const float* panel, const float* bia
     const float* pk = panel + k * NR;
     const v16f w0 = load16(pk), w1 = load16(pk + 16), w2 = load16(pk + 32);
     for (int i = 0; i < R; ++i) {
-      const float xv = x[i * K + k];
+      const float xv = x[i * ldx + k];
       acc[i][0] += xv * w0;
       acc[i][1] += xv * w1;
       acc[i][2] += xv * w2;
@@ -168,10 +169,10 @@ inline void tile(const float* x, int64_t K, const float* panel, const float* bia
   }
 }
 
-inline void rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t O,
-                 int64_t cols) {
+inline void rows(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panel, const float* bias, float* y,
+                 int64_t O, int64_t cols) {
   for_row_tiles(0, M, [&](int64_t m, auto R) {
-    tile<decltype(R)::value>(x + m * K, K, panel, bias, y + m * O, O, cols);
+    tile<decltype(R)::value>(x + m * ldx, ldx, K, panel, bias, y + m * O, O, cols);
   });
 }
 #endif

@@ -571,7 +571,7 @@ void f32_panel_sweep(const float* xf, int64_t M, int64_t K, int64_t rows, const 
     make_panel(p, panel);
   }, [&](int64_t p, const float* panel, int64_t m_lo, int64_t m_hi) {
     const int64_t c0 = p * f32::NR;
-    f32::rows(xf + m_lo * K, m_hi - m_lo, K, panel, bc ? bias_pad.data() + c0 : nullptr, yc + m_lo * O + c0, O,
+    f32::rows(xf + m_lo * K, K, m_hi - m_lo, K, panel, bc ? bias_pad.data() + c0 : nullptr, yc + m_lo * O + c0, O,
               std::min(f32::NR, rows - c0));
   });
 }

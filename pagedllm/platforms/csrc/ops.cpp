@@ -43,7 +43,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
       const float* panel = wp + p * K * NR;
       const float* pb = bp ? bp + p * NR : nullptr;
       const int64_t c0 = p * NR, cols = std::min(NR, O - c0);
-      f32::rows(xp, M, K, panel, pb, op + c0, O, cols);
+      f32::rows(xp, K, M, K, panel, pb, op + c0, O, cols);
     }
   });
   return out;
@@ -164,7 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shared_prefix_groups", &shared_prefix_groups, "the (shared keys, rows) groups paged_attention forms over a "
         "bf16 pool");
   m.def("attend_chunks", &attend_chunks, "prefill chunks attended over a bf16, fp8 or q8_0 / q4_0 paged pool on bf16 dot "
-        "products (CPU)",
+        "products, or over an fp32 pool on fp32 tiles (CPU)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("q_start"), py::arg("q_len"), py::arg("ctx_len"), py::arg("scale"), py::arg("window"),
         py::arg("scratch"), py::arg("sinks") = py::none(), py::arg("k_scale") = py::none(),

@@ -118,6 +118,21 @@ inline void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   }
 }
 
+// the lanes' max: on AVX2 with intrinsics, where GCC lowers `a > b ? a : b` over 16 lanes to scalar compares
+inline v16f max16(v16f a, v16f b) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 x[2], y[2];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  x[0] = _mm256_max_ps(x[0], y[0]);
+  x[1] = _mm256_max_ps(x[1], y[1]);
+  std::memcpy(&a, x, sizeof(x));
+  return a;
+#else
+  return a > b ? a : b;
+#endif
+}
+
 inline float hmax(v16f v) {
   float m = v[0];
   for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
