@@ -44,7 +44,6 @@
 namespace {
 
 using vec::v16f;
-using vec::v16i;
 using vec::v16u;
 
 constexpr int64_t NL = bf16::NR;  // lanes: (query row, head) pairs of an item
