@@ -25,7 +25,8 @@ def int8_decode() -> bool:
 
     from pagedllm.platforms.cpu import load_ops
 
-    return not os.environ.get("PAGEDLLM_NO_CPP") and load_ops().linear_ggml_isa == "avx2"
+    ops = None if os.environ.get("PAGEDLLM_NO_CPP") else load_ops()
+    return ops is not None and ops.linear_ggml_isa == "avx2"
 
 
 def test_chat_knows_paris(smollm):
