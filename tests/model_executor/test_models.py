@@ -94,7 +94,9 @@ def test_greedy_matches_hf_together_and_alone(tiny_models, hf_refs, arch, block_
         llm.engine.runner.op = None
         together = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]
-        # and so do the pure-torch norm / rope / activation / linear paths (no C++ ops at all)
+        # and so do the pure-torch norm / rope / activation / linear paths (no C++ ops at all, so prompts go to
+        # SDPA as the torch backend's metadata sends them, not to the chunk kernel)
+        llm.engine.runner.chunk_op = False
         llm.engine.runner.model.set_ops(None)
         together = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in together] == hf_refs[arch]

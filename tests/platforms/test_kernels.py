@@ -447,13 +447,17 @@ def test_attend_chunks_is_the_decode_ops_math(ops, heads: int, kv_heads: int, d:
     q = torch.randn(int(q_len.sum()), heads, d, generator=g)
     out, by_rows = torch.zeros_like(q), torch.zeros_like(q)
     scratch = torch.empty(0, dtype=torch.uint8)
-    ops.attend_chunks(out, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch, sinks)
+    op_bt = bt.clone()  # a sliding-window group has freed the blocks before every row's window: never read
+    for s, (n, c) in enumerate(chunks):
+        if window:
+            op_bt[s, :max(0, c - n + 1 - window) // bs] = -1
+    ops.attend_chunks(out, q, k_pool, v_pool, op_bt, q_start, q_len, ctx, d ** -0.5, window, scratch, sinks)
     assert scratch.numel() > 0  # grown for the next layer to reuse, whose results do not depend on what it held
     again = torch.zeros_like(q)
-    ops.attend_chunks(again, q, k_pool, v_pool, bt, q_start, q_len, ctx, d ** -0.5, window, scratch, sinks)
+    ops.attend_chunks(again, q, k_pool, v_pool, op_bt, q_start, q_len, ctx, d ** -0.5, window, scratch, sinks)
     assert torch.equal(again, out)
     row_seq = torch.repeat_interleave(torch.arange(len(chunks)), q_len)
-    ops.paged_attention(by_rows, q, k_pool, v_pool, bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None,
+    ops.paged_attention(by_rows, q, k_pool, v_pool, op_bt, row_seq, q_start, q_len, ctx, d ** -0.5, window, None, None, None,
                         sinks)
     refs = []
     for s, (n, c) in enumerate(chunks):

@@ -273,25 +273,29 @@ Heads heads_of(const torch::Tensor& pool, int64_t D, const c10::optional<torch::
   return Heads{data, n == D / 32 * 34 ? 1 : 2, kvh * n, n, D};
 }
 
-// One (chunk, KV head)'s keys [0, ctx): K rows gathered into kd [ctx + kPad, D], V as key pairs into vd [D, ldv]
+// One (chunk, KV head)'s keys [0, ctx): K rows gathered into kd [ctx + kPad, D], V as key pairs into vd [D, ldv].
+// Keys before `first` (past every row's window) are zeros: a sliding-window group has freed their blocks (its table
+// holds NULL_BLOCK there), and an item's first key pair may start one key early, multiplied by p = 0.
 void gather(const Heads& K, const Heads& V, const int64_t* table, int64_t BS, int64_t kh, int64_t D, int64_t ctx,
-            uint16_t* kd, uint32_t* vd, int64_t ldv) {
+            int64_t first, uint16_t* kd, uint32_t* vd, int64_t ldv) {
   const int64_t pairs = (ctx + 1) / 2;
   const bool widen = K.fmt != 0 || V.fmt != 0;  // bf16 pools are read in place: no buffers
   std::vector<uint16_t> tmp(widen ? 2 * D : 0);
   std::vector<float> wide(widen ? D : 0);
   auto slot = [&](int64_t t) { return table[t / BS] * BS + t % BS; };
-  for (int64_t t = 0; t < ctx; ++t) {
+  std::fill(kd, kd + first * D, uint16_t{0});
+  for (int64_t t = first; t < ctx; ++t) {
     const uint16_t* k = K.head(slot(t), kh, kd + t * D, wide.data());
     if (k != kd + t * D) std::memcpy(kd + t * D, k, D * sizeof(uint16_t));
   }
   std::fill(kd + ctx * D, kd + (ctx + kPad) * D, uint16_t{0});
   for (int64_t d = 0; d < D; ++d) std::fill(vd + d * ldv + pairs, vd + (d + 1) * ldv, 0u);
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* v0 = V.head(slot(2 * p), kh, tmp.data(), wide.data());
+  for (int64_t d = 0; d < D; ++d) std::fill(vd + d * ldv, vd + d * ldv + first / 2, 0u);
+  for (int64_t p = first / 2; p < pairs; ++p) {
+    const uint16_t* v0 = 2 * p >= first ? V.head(slot(2 * p), kh, tmp.data(), wide.data()) : nullptr;
     const uint16_t* v1 = 2 * p + 1 < ctx ? V.head(slot(2 * p + 1), kh, tmp.data() + D, wide.data()) : nullptr;
     for (int64_t d = 0; d < D; ++d)
-      vd[d * ldv + p] = static_cast<uint32_t>(v0[d]) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
+      vd[d * ldv + p] = (v0 ? static_cast<uint32_t>(v0[d]) : 0u) | (v1 ? static_cast<uint32_t>(v1[d]) << 16 : 0u);
   }
 }
 
@@ -332,7 +336,9 @@ void run_items(int64_t n, int64_t KVH, int64_t G, int64_t D, const int64_t* bt, 
   at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / KVH;
-      chunks[i] = gather(bt + s * MAXB, i % KVH, cl[s], base + off[i]);
+      // the chunk's first row attends keys from this one on (a window's start); none before it is read
+      const int64_t first = window > 0 ? std::max<int64_t>(0, cl[s] - ql[s] + 1 - window) : 0;
+      chunks[i] = gather(bt + s * MAXB, i % KVH, cl[s], first, base + off[i]);
       chunks[i].table = bt + s * MAXB;
       chunks[i].q_start = qs[s];
       chunks[i].q_len = ql[s];
@@ -365,14 +371,17 @@ int64_t kv_bytes(int64_t ctx, int64_t D) { return 2 * ctx * D * 4; }
 // q panel [D, 48], S^T [keys, 48], p panel [keys, 48], O^T [D, 48]
 int64_t work_floats(int64_t keys, int64_t D) { return 2 * D * NL + 2 * keys * NL; }
 
+// keys before first are zeros, as the bf16 gather's
 Chunk gather(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int64_t* table, int64_t kh, int64_t ctx,
-             uint8_t* buf) {
+             int64_t first, uint8_t* buf) {
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), D = k_cache.size(3);
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* kd = reinterpret_cast<float*>(buf);  // [ctx, D]
   float* vt = kd + ctx * D;                   // [D, ctx]
-  for (int64_t t = 0; t < ctx; ++t) {
+  std::fill(kd, kd + first * D, 0.f);
+  for (int64_t d = 0; d < D; ++d) std::fill(vt + d * ctx, vt + d * ctx + first, 0.f);
+  for (int64_t t = first; t < ctx; ++t) {
     const int64_t row = ((table[t / BS] * BS + t % BS) * KVH + kh) * D;
     std::memcpy(kd + t * D, kp + row, D * sizeof(float));
     for (int64_t d = 0; d < D; ++d) vt[d * ctx + t] = vp[row + d];
@@ -446,8 +455,8 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
     TORCH_CHECK(v_cache.scalar_type() == torch::kFloat32 && k_cache.size(3) == D && v_cache.size(3) == D,
                 "attend_chunks: an fp32 pool's K and V rows must both be fp32 of the query's head_dim");
     run_items(n, KVH, G, D, bt, MAXB, BS, qs, ql, cl, window, scratch, fp32::kv_bytes, fp32::work_floats,
-              [&](const int64_t* table, int64_t kh, int64_t ctx, uint8_t* buf) {
-                return fp32::gather(k_cache, v_cache, table, kh, ctx, buf);
+              [&](const int64_t* table, int64_t kh, int64_t ctx, int64_t first, uint8_t* buf) {
+                return fp32::gather(k_cache, v_cache, table, kh, ctx, first, buf);
               },
               [&](const Item& it, const Chunk& c, float* w, int64_t) {
                 fp32::attend(c, it.kh, it.r0, G, H, D, qp, q_stride, fscale, window, sk, op, w);
@@ -457,10 +466,10 @@ void attend_chunks(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
   const int fp8 = fp8_format(lut);  // once a call: K and V share it
   const Heads K = heads_of(k_cache, D, k_scale, fp8), V = heads_of(v_cache, D, v_scale, fp8);
   run_items(n, KVH, G, D, bt, MAXB, BS, qs, ql, cl, window, scratch, kv_bytes_bf16, work_floats,
-            [&](const int64_t* table, int64_t kh, int64_t ctx, uint8_t* buf) {
+            [&](const int64_t* table, int64_t kh, int64_t ctx, int64_t first, uint8_t* buf) {
               uint16_t* kd = reinterpret_cast<uint16_t*>(buf);
               uint32_t* vd = reinterpret_cast<uint32_t*>(buf + (ctx + kPad) * D * 2);
-              gather(K, V, table, BS, kh, D, ctx, kd, vd, v_ld(ctx));
+              gather(K, V, table, BS, kh, D, ctx, first, kd, vd, v_ld(ctx));
               return Chunk{nullptr, 0, 0, ctx, kd, vd, v_ld(ctx)};
             },
             [&](const Item& it, const Chunk& c, float* w, int64_t max_keys) {
@@ -480,7 +489,7 @@ SharedKeys gather_shared_keys(const torch::Tensor& k_cache, const torch::Tensor&
   const int64_t BS = k_cache.size(1), D = k_cache.size(3), ldv = v_ld(P);
   uint16_t* kd = static_cast<uint16_t*>(buf);
   uint32_t* vd = reinterpret_cast<uint32_t*>(kd + (P + kPad) * D);
-  gather(heads_of(k_cache, D), heads_of(v_cache, D), table, BS, kh, D, P, kd, vd, ldv);
+  gather(heads_of(k_cache, D), heads_of(v_cache, D), table, BS, kh, D, P, 0, kd, vd, ldv);
   return SharedKeys{kd, vd, P, ldv};
 }
 
