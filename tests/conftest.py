@@ -141,6 +141,16 @@ def ops():
 
 
 @pytest.fixture(scope="session")
+def int8_decode() -> bool:
+    """Whether this CPU's GGUF decode dots take int8 activations (AVX2: ggml's arithmetic; AVX-512 VNNI takes int16,
+    the pure-torch paths none), so that greedy continuations can part from the higher-precision paths'."""
+    from pagedllm.platforms.cpu import load_ops
+
+    o = load_ops()
+    return o is not None and o.linear_ggml_isa == "avx2"
+
+
+@pytest.fixture(scope="session")
 def ops_avx2():
     """Every kernel as a CPU without AVX-512 (Zen 3: AVX2, FMA) compiles it, built here by masking this CPU's
     AVX-512 and AVX-VNNI: the whole library that CPU loads, not a file of it. Built once per session (2-3

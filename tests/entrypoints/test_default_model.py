@@ -20,19 +20,10 @@ pytestmark = pytest.mark.slow  # end to end: server processes, peers, workers, t
 INT8_ANSWER = "L'Étoile, la Marseillaise, la femme"
 
 
-def int8_decode() -> bool:
-    import os
-
-    from pagedllm.platforms.cpu import load_ops
-
-    ops = None if os.environ.get("PAGEDLLM_NO_CPP") else load_ops()
-    return ops is not None and ops.linear_ggml_isa == "avx2"
-
-
-def test_chat_knows_paris(smollm):
+def test_chat_knows_paris(smollm, int8_decode):
     out = smollm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=32))
-    if int8_decode():
+    if int8_decode:
         assert out[0].outputs[0].text.startswith(INT8_ANSWER), out[0].outputs[0].text
         return
     assert "Paris" in out[0].outputs[0].text
@@ -49,7 +40,7 @@ def test_generate_text_and_token_prompts(smollm):
         assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids)
 
 
-def test_cli_generate_and_chat():
+def test_cli_generate_and_chat(int8_decode):
     gen = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "The capital of France is",
                           "--max-tokens", "8", "--max-model-len", "512"], capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr
@@ -57,7 +48,7 @@ def test_cli_generate_and_chat():
     chat = subprocess.run([sys.executable, "-m", "pagedllm", "chat", "--max-tokens", "32", "--max-model-len", "512"],
                           input="What is the capital of France?\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr
-    assert INT8_ANSWER in chat.stdout if int8_decode() else "Paris" in chat.stdout, chat.stdout
+    assert INT8_ANSWER in chat.stdout if int8_decode else "Paris" in chat.stdout, chat.stdout
 
 
 def test_cli_reports_bad_input_cleanly():

@@ -210,17 +210,13 @@ def test_tp2_runs_a_gguf_in_its_own_formats_sharded_along_whole_blocks(tmp_path,
     assert compared >= 48  # most of the 96 tokens (the texts part rarely)
 
 
-def test_tp3_on_the_default_model_is_tp1_within_the_formats_tolerance():
+def test_tp3_on_the_default_model_is_tp1_within_the_formats_tolerance(int8_decode):
     """SmolLM2's Q4_1 / Q8_0 blocks at TP=3: the row-parallel sums add in another order, and the prefill
     kernels round activations to bf16, which turns that fp32 noise into bf16 steps (a value near a rounding
     boundary flips). So not the same bits, but the same answer: first-token logprobs within 1e-2 (measured
     ~1e-3) and the same greedy tokens here. Where decode steps take int8 activations (AVX2: ggml's arithmetic), a
     flip moves a value by half a step of 1/127 of its block's max, and the 10 tokens part ways after a few (at
     the sixth on a Zen 3); the prompt's rows are fp32 panels there, so the first token still agrees."""
-    from pagedllm.platforms.cpu import load_ops
-
-    ops = load_ops()
-    int8 = ops is not None and ops.linear_ggml_isa == "avx2"
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=0)
     with LLM(num_threads=1) as one:
@@ -229,6 +225,6 @@ def test_tp3_on_the_default_model_is_tp1_within_the_formats_tolerance():
         outs = tp.generate(prompts, params)
     for a, b in zip(base, outs):
         ca, cb = a.outputs[0], b.outputs[0]
-        assert cb.token_ids[:1] == ca.token_ids[:1] if int8 else cb.token_ids == ca.token_ids
+        assert cb.token_ids[:1] == ca.token_ids[:1] if int8_decode else cb.token_ids == ca.token_ids
         first = ca.token_ids[0]
         assert abs(ca.logprobs[0][first].logprob - cb.logprobs[0][first].logprob) < 1e-2
